@@ -1,0 +1,86 @@
+"""Run real vLLM with speculative decoding once and report what it counted.
+
+``python -m otel_specdec._engine_run '<json>'`` builds an ``LLM`` with the
+given speculative config, generates greedily, and prints one JSON line with
+the generated token ids and vLLM's own ``spec_decode`` counters from
+``LLM.get_metrics()``. The demo and the tests run it in a child process, so
+that the engine starts the way it does in production (engine core in its
+own process) and the plugin loads through vLLM's entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+__all__ = ["run", "DEFAULT_PROMPTS", "RESULT_PREFIX"]
+
+RESULT_PREFIX = "OTEL_SPECDEC_RESULT "
+
+DEFAULT_PROMPTS = [
+    "the quick brown fox jumps over the lazy dog, the quick brown fox",
+    "one two three four five six seven eight nine ten one two three",
+    "Speculative decoding drafts several tokens and lets the target model verify them.",
+    "The scheduler counts draft tokens, accepted tokens and the acceptance per position.",
+    "OpenTelemetry exports counters and histograms to any collector over OTLP.",
+    "A draft that agrees with the target is accepted; the first rejection ends the prefix.",
+    "one two three one two three one two three",
+    "the lazy dog the lazy dog the lazy",
+]
+
+_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def vllm_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's own speculative-decoding counters, summed over engines."""
+    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                           "accepted_per_pos": []}
+    for metric in llm.get_metrics():
+        if metric.name in _COUNTERS:
+            out[_COUNTERS[metric.name]] += int(metric.value)
+        elif metric.name == _PER_POS:
+            values = [int(v) for v in metric.values]
+            acc = out["accepted_per_pos"]
+            acc.extend([0] * (len(values) - len(acc)))
+            out["accepted_per_pos"] = [a + v for a, v in zip(acc, values)]
+    return out
+
+
+def run(config: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=config["model"],
+        speculative_config=config.get("speculative_config"),
+        max_model_len=512,
+        dtype="float32",
+        enforce_eager=True,
+        gpu_memory_utilization=0.15,
+        disable_log_stats=config.get("disable_log_stats", False),
+        seed=0,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=config.get("max_tokens", 48),
+                            ignore_eos=True)
+    prompts = config.get("prompts") or DEFAULT_PROMPTS
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+    if not config.get("disable_log_stats", False):
+        result["vllm"] = vllm_counters(llm)
+    del llm
+    return result
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    result = run(config)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Instrument names, units and descriptions: the metric contract in one place.
+
+``docs/metrics.md`` documents each of these; a rename here is a breaking
+change for every dashboard and alert rule.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+METER_NAME: Final = "otel_specdec"
+
+# Attribute keys.
+ATTR_MODEL: Final = "gen_ai.request.model"
+ATTR_METHOD: Final = "vllm.spec_decode.method"
+ATTR_NUM_SPEC_TOKENS: Final = "vllm.spec_decode.num_speculative_tokens"
+ATTR_POSITION: Final = "vllm.spec_decode.position"
+
+# Resource keys for per-process identity.
+RES_DP_RANK: Final = "vllm.data_parallel.rank"
+RES_ENGINE_INDEX: Final = "vllm.engine.index"
+
+# Longest served-model name kept as an attribute value; longer ones are cut.
+MAX_MODEL_NAME_LEN: Final = 256
+
+# Counters (exported as observable counters read at collection time).
+DRAFTS: Final = "vllm.spec_decode.drafts"
+DRAFT_TOKENS: Final = "vllm.spec_decode.draft_tokens"
+ACCEPTED_TOKENS: Final = "vllm.spec_decode.accepted_tokens"
+EMPTY_PROPOSALS: Final = "vllm.spec_decode.empty_proposals"
+PADDING_TOKENS: Final = "vllm.spec_decode.padding_tokens"
+
+# Histograms (exported from pre-aggregated bucket counts).
+ACCEPTANCE_LENGTH: Final = "vllm.spec_decode.acceptance_length"
+REQUEST_ACCEPTANCE_RATE: Final = "vllm.spec_decode.request.acceptance_rate"
+
+UNIT_DRAFT: Final = "{draft}"
+UNIT_TOKEN: Final = "{token}"
+UNIT_PROPOSAL: Final = "{proposal}"
+UNIT_RATIO: Final = "1"
+
+DESCRIPTIONS: Final = {
+    DRAFTS: "Request-steps in which at least one draft token was verified.",
+    DRAFT_TOKENS: "Draft tokens verified by the target model, by draft position.",
+    ACCEPTED_TOKENS: "Draft tokens accepted (the accepted prefix), by draft position.",
+    EMPTY_PROPOSALS: (
+        "Decode request-steps of a speculative engine in which no draft token "
+        "was verified (the drafter proposed nothing)."
+    ),
+    PADDING_TOKENS: (
+        "Verified draft slots that held vLLM's padding sentinel instead of a "
+        "proposed token; included in draft_tokens, as vLLM counts them."
+    ),
+    ACCEPTANCE_LENGTH: (
+        "Tokens emitted per draft: 1 + accepted draft tokens (the bonus token "
+        "included); sum/count is vLLM's mean acceptance length."
+    ),
+    REQUEST_ACCEPTANCE_RATE: (
+        "Per finished request that had at least one draft: accepted / drafted tokens."
+    ),
+}
+
+# Explicit bucket bounds of the per-request acceptance rate: 0, 0.1, ..., 1.
+REQUEST_RATE_BOUNDS: Final = tuple(i / 10 for i in range(11))
+
+
+def acceptance_length_bounds(num_speculative_tokens: int) -> tuple[float, ...]:
+    """Bounds 1, 2, ..., k+1: one bucket per possible acceptance length."""
+    return tuple(float(i) for i in range(1, num_speculative_tokens + 2))

@@ -1,0 +1,319 @@
+"""Hand the accounting's totals to OpenTelemetry, off the hot path.
+
+Counters are observable instruments whose callbacks read the totals when a
+reader collects. Histograms cannot be fed pre-aggregated bucket counts
+through the OpenTelemetry API (``Histogram.record`` takes one value, and one
+call per draft would cost seconds of CPU per minute at production batch
+sizes), so their data points are built here from the bucket counts and added
+to each collection of the meter provider's readers, by wrapping each
+reader's ``_receive_metrics`` (the hook every SDK reader implements). Their
+cost per collection depends on the number of series, not on the number of
+drafts recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.sdk.metrics import Histogram as SdkHistogram
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    HistogramDataPoint,
+    Metric,
+    MetricReader,
+    MetricsData,
+    ResourceMetrics,
+    ScopeMetrics,
+)
+from opentelemetry.sdk.metrics.export import Histogram as HistogramData
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from otel_specdec import _instruments as names
+from otel_specdec._accounting import SpecDecodeTotals, TotalsSnapshot
+from otel_specdec.version import __version__
+
+__all__ = ["TotalsRegistry", "register_counters", "HistogramInjector"]
+
+_logger = logging.getLogger(__name__)
+
+
+class TotalsRegistry:
+    """All totals entries of this process, one per attribute set."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[tuple[str, Any], ...], SpecDecodeTotals] = {}
+        self._tracker_keys: list[int] = []
+        self._lock = threading.Lock()
+        self.pid = os.getpid()
+
+    def totals_for(self, attributes: dict[str, Any], k: int) -> SpecDecodeTotals:
+        key = tuple(sorted(attributes.items()))
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = SpecDecodeTotals(attributes, k)
+                for tracker_key in self._tracker_keys:
+                    entry.rate_trackers[tracker_key] = [float("inf"), float("-inf")]
+            return entry
+
+    def add_rate_tracker(self, key: int) -> None:
+        """Track request-rate min/max for one reader from now on."""
+        with self._lock:
+            self._tracker_keys.append(key)
+            for entry in self._entries.values():
+                entry.rate_trackers[key] = [float("inf"), float("-inf")]
+
+    def entries(self) -> list[SpecDecodeTotals]:
+        # A forked child must not report its parent's totals.
+        if os.getpid() != self.pid:
+            return []
+        with self._lock:
+            return list(self._entries.values())
+
+
+def _with_position(attributes: dict[str, Any], position: int) -> dict[str, Any]:
+    return {**attributes, names.ATTR_POSITION: position}
+
+
+def register_counters(meter: Meter, registry: TotalsRegistry) -> None:
+    """Create the observable counters, read from ``registry`` at collection."""
+
+    def drafts(_: CallbackOptions) -> Iterator[Observation]:
+        for entry in registry.entries():
+            yield Observation(sum(entry.accepted_hist), entry.attributes)
+
+    def per_position(hist_name: str):
+        def callback(_: CallbackOptions) -> Iterator[Observation]:
+            for entry in registry.entries():
+                snap = entry.snapshot()
+                k = entry.num_speculative_tokens
+                values = (
+                    snap.accepted_per_position(k)
+                    if hist_name == "accepted"
+                    else snap.drafted_per_position(k)
+                )
+                for position, value in enumerate(values):
+                    yield Observation(value, _with_position(entry.attributes, position))
+
+        return callback
+
+    def scalar(field: str):
+        def callback(_: CallbackOptions) -> Iterator[Observation]:
+            for entry in registry.entries():
+                yield Observation(getattr(entry, field), entry.attributes)
+
+        return callback
+
+    specs = [
+        (names.DRAFTS, names.UNIT_DRAFT, drafts),
+        (names.DRAFT_TOKENS, names.UNIT_TOKEN, per_position("drafted")),
+        (names.ACCEPTED_TOKENS, names.UNIT_TOKEN, per_position("accepted")),
+        (names.EMPTY_PROPOSALS, names.UNIT_PROPOSAL, scalar("empty_proposals")),
+        (names.PADDING_TOKENS, names.UNIT_TOKEN, scalar("padding_tokens")),
+    ]
+    for name, unit, callback in specs:
+        meter.create_observable_counter(
+            name, callbacks=[callback], unit=unit, description=names.DESCRIPTIONS[name]
+        )
+
+
+def _histogram_point(
+    attributes: dict[str, Any],
+    bounds: tuple[float, ...],
+    counts: list[int],
+    total: float,
+    minimum: float,
+    maximum: float,
+    start_ns: int,
+    now_ns: int,
+) -> HistogramDataPoint:
+    return HistogramDataPoint(
+        attributes=attributes,
+        start_time_unix_nano=start_ns,
+        time_unix_nano=now_ns,
+        count=sum(counts),
+        sum=total,
+        bucket_counts=counts,
+        explicit_bounds=bounds,
+        min=minimum,
+        max=maximum,
+    )
+
+
+def _length_point(
+    entry: SpecDecodeTotals, hist: list[int], start_ns: int, now_ns: int
+) -> HistogramDataPoint | None:
+    """Acceptance length = 1 + accepted; ``hist[a]`` counts drafts with ``a``."""
+    if not any(hist):
+        return None
+    k = max(entry.num_speculative_tokens, len(hist) - 1)
+    bounds = names.acceptance_length_bounds(k)
+    # Value 1 + a falls in the bucket whose upper bound is 1 + a: index a.
+    counts = list(hist) + [0] * (len(bounds) + 1 - len(hist))
+    nonzero = [a for a, c in enumerate(hist) if c]
+    total = float(sum((1 + a) * c for a, c in enumerate(hist)))
+    return _histogram_point(
+        entry.attributes, bounds, counts, total, 1.0 + nonzero[0], 1.0 + nonzero[-1],
+        start_ns, now_ns,
+    )
+
+
+class _ReaderState:
+    """What one reader saw at its previous collection (for delta temporality)."""
+
+    __slots__ = ("temporality", "last_ns", "last")
+
+    def __init__(self, temporality: AggregationTemporality, start_ns: int) -> None:
+        self.temporality = temporality
+        self.last_ns = start_ns
+        self.last: dict[int, TotalsSnapshot] = {}
+
+
+class HistogramInjector:
+    """Adds the two histograms to every collection of the attached readers."""
+
+    def __init__(self, registry: TotalsRegistry, resource: Resource) -> None:
+        self._registry = registry
+        self._resource = resource
+        self._scope = InstrumentationScope(names.METER_NAME, __version__)
+        self._readers: dict[int, tuple[MetricReader, Any, _ReaderState]] = {}
+        self._failed = False
+
+    def attach(self, reader: MetricReader) -> None:
+        if id(reader) in self._readers:
+            return
+        original = reader._receive_metrics
+        temporality = getattr(reader, "_instrument_class_temporality", {}).get(
+            SdkHistogram, AggregationTemporality.CUMULATIVE
+        )
+        state = _ReaderState(temporality, time.time_ns())
+        self._registry.add_rate_tracker(id(state))
+
+        def receive_metrics(
+            metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+        ) -> None:
+            metrics_data = self._inject_safely(metrics_data, state)
+            return original(metrics_data, timeout_millis=timeout_millis, **kwargs)
+
+        reader._receive_metrics = receive_metrics  # type: ignore[method-assign]
+        self._readers[id(reader)] = (reader, original, state)
+
+    def detach_all(self) -> None:
+        for reader, _original, _state in self._readers.values():
+            reader.__dict__.pop("_receive_metrics", None)
+        self._readers.clear()
+
+    def _inject_safely(self, metrics_data: MetricsData, state: _ReaderState) -> MetricsData:
+        if self._failed:
+            return metrics_data
+        try:
+            return self._inject(metrics_data, state)
+        except Exception:
+            self._failed = True
+            _logger.exception(
+                "otel_specdec: building histogram points failed; histograms are "
+                "disabled for this process, counters continue"
+            )
+            return metrics_data
+
+    def _metrics(self, state: _ReaderState) -> list[Metric]:
+        now_ns = time.time_ns()
+        delta = state.temporality == AggregationTemporality.DELTA
+        lengths: list[HistogramDataPoint] = []
+        rates: list[HistogramDataPoint] = []
+        for entry in self._registry.entries():
+            tracker = entry.rate_trackers[id(state)]
+            snap = entry.snapshot()
+            start_ns = entry.start_time_ns
+            length_hist, rate_buckets, rate_sum = (
+                snap.accepted_hist, snap.rate_buckets, snap.rate_sum
+            )
+            if delta:
+                prev = state.last.get(id(entry))
+                start_ns = max(state.last_ns, entry.start_time_ns)
+                if prev is not None:
+                    length_hist = _minus(length_hist, prev.accepted_hist)
+                    rate_buckets = _minus(rate_buckets, prev.rate_buckets)
+                    rate_sum -= prev.rate_sum
+                state.last[id(entry)] = snap
+            point = _length_point(entry, length_hist, start_ns, now_ns)
+            if point is not None:
+                lengths.append(point)
+            if any(rate_buckets):
+                minimum, maximum = self._rate_min_max(tracker, delta)
+                rates.append(
+                    _histogram_point(
+                        entry.attributes, names.REQUEST_RATE_BOUNDS, list(rate_buckets),
+                        rate_sum, minimum, maximum, start_ns, now_ns,
+                    )
+                )
+        state.last_ns = now_ns
+        out = []
+        for name, unit, points in (
+            (names.ACCEPTANCE_LENGTH, names.UNIT_TOKEN, lengths),
+            (names.REQUEST_ACCEPTANCE_RATE, names.UNIT_RATIO, rates),
+        ):
+            if points:
+                out.append(
+                    Metric(
+                        name=name,
+                        description=names.DESCRIPTIONS[name],
+                        unit=unit,
+                        data=HistogramData(
+                            data_points=points, aggregation_temporality=state.temporality
+                        ),
+                    )
+                )
+        return out
+
+    @staticmethod
+    def _rate_min_max(tracker: list[float], delta: bool) -> tuple[float, float]:
+        """Min/max since the reader's last collection (delta) or ever (cumulative)."""
+        minimum, maximum = tracker
+        if delta:
+            tracker[0], tracker[1] = float("inf"), float("-inf")
+        if minimum > maximum:  # no request finished in this interval
+            minimum = maximum = 0.0
+        return minimum, maximum
+
+    def _inject(self, metrics_data: MetricsData, state: _ReaderState) -> MetricsData:
+        extra = self._metrics(state)
+        if not extra:
+            return metrics_data
+        resource_metrics = list(metrics_data.resource_metrics) if metrics_data else []
+        if not resource_metrics:
+            return MetricsData(
+                resource_metrics=[
+                    ResourceMetrics(
+                        resource=self._resource,
+                        scope_metrics=[ScopeMetrics(self._scope, extra, "")],
+                        schema_url="",
+                    )
+                ]
+            )
+        first = resource_metrics[0]
+        scopes = list(first.scope_metrics)
+        for i, scope_metrics in enumerate(scopes):
+            if scope_metrics.scope.name == names.METER_NAME:
+                scopes[i] = ScopeMetrics(
+                    scope_metrics.scope,
+                    list(scope_metrics.metrics) + extra,
+                    scope_metrics.schema_url,
+                )
+                break
+        else:
+            scopes.append(ScopeMetrics(self._scope, extra, ""))
+        resource_metrics[0] = ResourceMetrics(first.resource, scopes, first.schema_url)
+        return MetricsData(resource_metrics=resource_metrics)
+
+
+def _minus(current: Iterable[int], previous: list[int]) -> list[int]:
+    current = list(current)
+    return [c - (previous[i] if i < len(previous) else 0) for i, c in enumerate(current)]

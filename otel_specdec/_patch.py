@@ -1,0 +1,191 @@
+"""The patches on vLLM's scheduler.
+
+Target: ``vllm.v1.core.sched.scheduler.Scheduler`` (subclasses such as
+``AsyncScheduler`` inherit the wrapped methods).
+
+* ``__init__``: after the host's, attach a ``StepAccountant`` to a scheduler
+  whose engine speculates (and build the process's meter provider then).
+* ``update_from_output``: before the host's, account the step from the
+  call's own arguments. Before, because the host mutates request state and
+  output lists as it goes; the accounting reads exactly what the host's own
+  statistics code reads at the top of its loop. The host's result is
+  returned untouched.
+* ``_free_request``: every finished or aborted request passes here; its
+  tally becomes one per-request acceptance-rate value.
+* ``shutdown``: after the host's, flush the metrics so a short run's totals
+  reach the collector.
+
+Why patch: vLLM exposes these numbers only to its Prometheus and logging
+stat loggers, and only when stats logging is on. Removable when vLLM offers
+a stat-logger or scheduler hook that carries per-step speculative data to
+plugins regardless of ``disable_log_stats``.
+
+No exception from the plugin reaches vLLM: a failure is logged once, and
+the scheduler's accountant is dropped, so the plugin stops rather than
+logging every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from wrapt import wrap_function_wrapper
+
+from otel_specdec import _runtime, _vllm_compat
+from otel_specdec._accounting import StepAccountant
+
+__all__ = ["install", "uninstall", "is_installed"]
+
+_logger = logging.getLogger(__name__)
+
+# The accountant is kept on the scheduler instance itself: one dict lookup
+# per step, and it dies with the scheduler.
+_ACCOUNTANT_ATTR = "_otel_specdec_accountant"
+
+_lock = threading.Lock()
+_installed_on: type | None = None
+_wrapped_methods: list[str] = []
+
+
+def _attach(scheduler: Any) -> StepAccountant | None:
+    """Give ``scheduler`` an accountant if its engine speculates."""
+    accountant = None
+    info = _vllm_compat.engine_info(scheduler)
+    if info is not None:
+        runtime = _runtime.get_or_create(info)
+        if runtime is not None:
+            accountant = runtime.accountant_for(scheduler, info)
+    scheduler.__dict__[_ACCOUNTANT_ATTR] = (_runtime.generation(), accountant)
+    return accountant
+
+
+def _disable(scheduler: Any, where: str) -> None:
+    scheduler.__dict__[_ACCOUNTANT_ATTR] = (_runtime.generation(), None)
+    _logger.exception(
+        "otel_specdec: internal error in %s; speculative-decoding metrics are "
+        "disabled for this engine, vLLM continues unaffected", where,
+    )
+
+
+def _accountant(scheduler: Any) -> StepAccountant | None:
+    entry = scheduler.__dict__.get(_ACCOUNTANT_ATTR)
+    if entry is None or entry[0] != _runtime.generation():
+        # Instrumented after this scheduler was built, or re-instrumented.
+        return _attach(scheduler)
+    return entry[1]
+
+
+def _attached(scheduler: Any) -> StepAccountant | None:
+    """The accountant, without attaching one (for the non-step hooks)."""
+    entry = scheduler.__dict__.get(_ACCOUNTANT_ATTR)
+    return entry[1] if entry is not None and entry[0] == _runtime.generation() else None
+
+
+def _init_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> None:
+    wrapped(*args, **kwargs)
+    try:
+        _attach(instance)
+    except Exception:
+        _disable(instance, "Scheduler.__init__")
+
+
+def _split_update_args(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    if len(args) >= 2:
+        return args[0], args[1]
+    if len(args) == 1:
+        return args[0], kwargs["model_runner_output"]
+    return kwargs["scheduler_output"], kwargs["model_runner_output"]
+
+
+def _update_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    try:
+        accountant = _accountant(instance)
+        if accountant is not None:
+            scheduler_output, model_runner_output = _split_update_args(args, kwargs)
+            accountant.observe_step(
+                *_vllm_compat.step_inputs(scheduler_output, model_runner_output)
+            )
+    except Exception:
+        _disable(instance, "Scheduler.update_from_output")
+    return wrapped(*args, **kwargs)
+
+
+def _free_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    result = wrapped(*args, **kwargs)
+    try:
+        accountant = _attached(instance)
+        if accountant is not None:
+            request = args[0] if args else kwargs["request"]
+            accountant.observe_freed(request.request_id)
+    except Exception:
+        _disable(instance, "Scheduler._free_request")
+    return result
+
+
+def _shutdown_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        try:
+            accountant = _attached(instance)
+            runtime = _runtime.current()
+            if accountant is not None and runtime is not None:
+                accountant.forget_requests()
+                runtime.flush()
+        except Exception:
+            _logger.warning("otel_specdec: flush at shutdown failed", exc_info=True)
+
+
+_WRAPPERS = {
+    "__init__": _init_wrapper,
+    "update_from_output": _update_wrapper,
+    "_free_request": _free_wrapper,
+    "shutdown": _shutdown_wrapper,
+}
+
+
+def is_installed() -> bool:
+    return _installed_on is not None
+
+
+def install() -> bool:
+    """Patch the scheduler once per process. False if vLLM is unsupported."""
+    global _installed_on
+    with _lock:
+        if _installed_on is not None:
+            return True
+        scheduler_cls, reason = _vllm_compat.check_scheduler()
+        if scheduler_cls is None:
+            _logger.warning(
+                "otel_specdec: not active: %s. vLLM runs normally without "
+                "speculative-decoding telemetry.", reason,
+            )
+            return False
+        for method in _vllm_compat.REQUIRED_METHODS + _vllm_compat.OPTIONAL_METHODS:
+            if not callable(getattr(scheduler_cls, method, None)):
+                _logger.warning(
+                    "otel_specdec: Scheduler.%s not found; %s", method,
+                    "per-request acceptance rates are not recorded"
+                    if method == "_free_request" else "metrics are not flushed at shutdown",
+                )
+                continue
+            wrap_function_wrapper(scheduler_cls, method, _WRAPPERS[method])
+            _wrapped_methods.append(method)
+        _installed_on = scheduler_cls
+        return True
+
+
+def uninstall() -> None:
+    global _installed_on
+    from opentelemetry.instrumentation.utils import unwrap
+
+    with _lock:
+        if _installed_on is None:
+            return
+        for method in _wrapped_methods:
+            unwrap(_installed_on, method)
+        _wrapped_methods.clear()
+        _installed_on = None
+    _runtime.shutdown()

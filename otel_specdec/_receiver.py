@@ -1,0 +1,252 @@
+"""A small OTLP metrics receiver on loopback (gRPC and HTTP/protobuf).
+
+Used by ``otel-specdec demo`` to show what a collector would receive, and by
+the tests as the real far end of the export. It keeps, per series (resource
++ metric + point attributes), the latest cumulative point, or the sum of
+delta points, so totals can be compared with vLLM's own counters.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import zlib
+from concurrent import futures
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from opentelemetry.proto.collector.metrics.v1 import (
+    metrics_service_pb2,
+    metrics_service_pb2_grpc,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+__all__ = ["MetricsStore", "OtlpReceiver", "HistogramTotal"]
+
+_DELTA = 1  # AGGREGATION_TEMPORALITY_DELTA
+
+
+def _any_value(value: AnyValue) -> Any:
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return tuple(_any_value(v) for v in value.array_value.values)
+    return getattr(value, kind) if kind else None
+
+
+def attributes_of(kvs: Any) -> dict[str, Any]:
+    return {kv.key: _any_value(kv.value) for kv in kvs}
+
+
+def _key(attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(attrs.items()))
+
+
+@dataclass
+class HistogramTotal:
+    count: int = 0
+    sum: float = 0.0
+    bucket_counts: list[int] = field(default_factory=list)
+    explicit_bounds: list[float] = field(default_factory=list)
+    min: float | None = None
+    max: float | None = None
+
+
+@dataclass
+class _Series:
+    resource: dict[str, Any]
+    scope: tuple[str, str]
+    name: str
+    unit: str
+    kind: str
+    attributes: dict[str, Any]
+    value: Any = None
+
+
+class MetricsStore:
+    """Series received so far, merged by temporality."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._series: dict[tuple[Any, ...], _Series] = {}
+        self.requests = 0
+        self.changed = threading.Condition(self._lock)
+
+    def ingest(self, request: metrics_service_pb2.ExportMetricsServiceRequest) -> None:
+        with self._lock:
+            self.requests += 1
+            for rm in request.resource_metrics:
+                resource = attributes_of(rm.resource.attributes)
+                for sm in rm.scope_metrics:
+                    scope = (sm.scope.name, sm.scope.version)
+                    for metric in sm.metrics:
+                        self._ingest_metric(resource, scope, metric)
+            self.changed.notify_all()
+
+    def _ingest_metric(self, resource: dict[str, Any], scope: tuple[str, str], metric: Any) -> None:
+        kind = metric.WhichOneof("data")
+        if kind in ("sum", "gauge"):
+            data = getattr(metric, kind)
+            delta = kind == "sum" and data.aggregation_temporality == _DELTA
+            for point in data.data_points:
+                value = point.as_int if point.WhichOneof("value") == "as_int" else point.as_double
+                series = self._get(resource, scope, metric, kind, point)
+                series.value = (series.value or 0) + value if delta else value
+        elif kind == "histogram":
+            delta = metric.histogram.aggregation_temporality == _DELTA
+            for point in metric.histogram.data_points:
+                series = self._get(resource, scope, metric, kind, point)
+                if not delta or series.value is None:
+                    series.value = HistogramTotal()
+                total = series.value
+                total.count += point.count
+                total.sum += point.sum
+                counts = list(point.bucket_counts)
+                if len(total.bucket_counts) < len(counts):
+                    total.bucket_counts += [0] * (len(counts) - len(total.bucket_counts))
+                for i, c in enumerate(counts):
+                    total.bucket_counts[i] += c
+                total.explicit_bounds = list(point.explicit_bounds)
+                if point.HasField("min"):
+                    total.min = point.min if total.min is None else min(total.min, point.min)
+                if point.HasField("max"):
+                    total.max = point.max if total.max is None else max(total.max, point.max)
+
+    def _get(self, resource: dict[str, Any], scope: tuple[str, str], metric: Any,
+             kind: str, point: Any) -> _Series:
+        attrs = attributes_of(point.attributes)
+        key = (_key(resource), scope, metric.name, _key(attrs))
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _Series(
+                resource, scope, metric.name, metric.unit, kind, attrs
+            )
+        return series
+
+    def series(self, name: str | None = None) -> list[_Series]:
+        with self._lock:
+            return [s for s in self._series.values() if name is None or s.name == name]
+
+    def counter_total(self, name: str, **match: Any) -> int | float:
+        return sum(
+            s.value for s in self.series(name)
+            if all(s.attributes.get(k) == v for k, v in match.items())
+        )
+
+    def by_attribute(self, name: str, attribute: str) -> dict[Any, int | float]:
+        out: dict[Any, int | float] = {}
+        for s in self.series(name):
+            key = s.attributes.get(attribute)
+            out[key] = out.get(key, 0) + s.value
+        return out
+
+    def histogram_total(self, name: str) -> HistogramTotal:
+        merged = HistogramTotal()
+        for s in self.series(name):
+            h = s.value
+            merged.count += h.count
+            merged.sum += h.sum
+            if len(merged.bucket_counts) < len(h.bucket_counts):
+                merged.bucket_counts += [0] * (len(h.bucket_counts) - len(merged.bucket_counts))
+            for i, c in enumerate(h.bucket_counts):
+                merged.bucket_counts[i] += c
+            merged.explicit_bounds = h.explicit_bounds or merged.explicit_bounds
+            for attr, pick in (("min", min), ("max", max)):
+                value = getattr(h, attr)
+                if value is not None:
+                    current = getattr(merged, attr)
+                    setattr(merged, attr, value if current is None else pick(current, value))
+        return merged
+
+    def wait_for(self, predicate: Any, timeout: float) -> bool:
+        with self._lock:
+            return self.changed.wait_for(lambda: _safe(predicate), timeout=timeout)
+
+
+def _safe(predicate: Any) -> bool:
+    try:
+        return bool(predicate())
+    except (KeyError, TypeError, AttributeError):
+        return False
+
+
+class _GrpcService(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self, store: MetricsStore) -> None:
+        self._store = store
+
+    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+        self._store.ingest(request)
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+def _http_handler(store: MetricsStore) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server name)
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            encoding = (self.headers.get("Content-Encoding") or "").lower()
+            if encoding == "gzip":
+                body = gzip.decompress(body)
+            elif encoding == "deflate":
+                body = zlib.decompress(body)
+            if self.path.rstrip("/") != "/v1/metrics":
+                self.send_response(404)
+                self.end_headers()
+                return
+            request = metrics_service_pb2.ExportMetricsServiceRequest()
+            request.ParseFromString(body)
+            store.ingest(request)
+            payload = metrics_service_pb2.ExportMetricsServiceResponse().SerializeToString()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+class OtlpReceiver:
+    """OTLP/gRPC and OTLP/HTTP metrics endpoints on 127.0.0.1 (free ports)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.store = MetricsStore()
+        self._grpc: Any = None
+        self._http: ThreadingHTTPServer | None = None
+        self.grpc_port = 0
+        self.http_port = 0
+
+    def start(self) -> OtlpReceiver:
+        import grpc
+
+        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(
+            _GrpcService(self.store), self._grpc
+        )
+        self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:0")
+        self._grpc.start()
+        self._http = ThreadingHTTPServer((self.host, 0), _http_handler(self.store))
+        self.http_port = self._http.server_address[1]
+        threading.Thread(target=self._http.serve_forever, daemon=True).start()
+        return self
+
+    def endpoint(self, protocol: str) -> str:
+        port = self.grpc_port if protocol == "grpc" else self.http_port
+        return f"http://{self.host}:{port}"
+
+    def stop(self) -> None:
+        if self._grpc is not None:
+            self._grpc.stop(grace=None)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+
+    def __enter__(self) -> OtlpReceiver:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+

@@ -1,0 +1,175 @@
+"""Everything that depends on vLLM's internals, in one place.
+
+Patch target: ``vllm.v1.core.sched.scheduler.Scheduler`` (vLLM V1). The
+plugin reads, and never writes:
+
+* ``SchedulerOutput.scheduled_spec_decode_tokens`` (req_id -> draft ids),
+  ``.num_scheduled_tokens`` and, where present, ``.num_invalid_spec_tokens``
+  (grammar-invalidated drafts, added in later 0.x releases);
+* ``ModelRunnerOutput.sampled_token_ids`` and ``.req_id_to_index``;
+* ``Scheduler.requests``, ``.num_sampled_tokens_per_step`` (1 where absent),
+  ``.vllm_config``.
+
+When vLLM renames any of these, ``check_scheduler`` reports it and the
+plugin stays inactive with one warning instead of miscounting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from otel_specdec._instruments import (
+    ATTR_METHOD,
+    ATTR_MODEL,
+    ATTR_NUM_SPEC_TOKENS,
+    MAX_MODEL_NAME_LEN,
+)
+
+__all__ = [
+    "SCHEDULER_MODULE",
+    "EngineInfo",
+    "check_scheduler",
+    "engine_info",
+    "step_inputs",
+]
+
+_logger = logging.getLogger(__name__)
+
+SCHEDULER_MODULE = "vllm.v1.core.sched.scheduler"
+SCHEDULER_CLASS = "Scheduler"
+
+# Methods wrapped on the scheduler class; the first two are required.
+REQUIRED_METHODS = ("__init__", "update_from_output")
+OPTIONAL_METHODS = ("_free_request", "shutdown")
+
+_SCHEDULER_OUTPUT_FIELDS = ("scheduled_spec_decode_tokens", "num_scheduled_tokens")
+_MODEL_RUNNER_OUTPUT_FIELDS = ("sampled_token_ids", "req_id_to_index")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the plugin needs to know about one scheduler's engine."""
+
+    model: str
+    method: str
+    num_speculative_tokens: int
+    data_parallel_rank: int
+    num_sampled_per_step: int
+    async_scheduling: bool
+
+    @property
+    def attributes(self) -> dict[str, Any]:
+        return {
+            ATTR_MODEL: self.model,
+            ATTR_METHOD: self.method,
+            ATTR_NUM_SPEC_TOKENS: self.num_speculative_tokens,
+        }
+
+
+def _field_names(cls: type) -> set[str]:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        names.update(getattr(klass, "__annotations__", {}))
+        names.update(getattr(klass, "__struct_fields__", ()))
+    return names
+
+
+def check_scheduler() -> tuple[type | None, str | None]:
+    """Import the scheduler class and check the fields the plugin reads.
+
+    Returns ``(Scheduler, None)`` when supported, else ``(None, reason)``.
+    """
+    try:
+        from vllm.v1.core.sched import scheduler as scheduler_module
+        from vllm.v1.core.sched.output import SchedulerOutput
+        from vllm.v1.outputs import ModelRunnerOutput
+    except Exception as exc:  # ImportError, or vLLM failing to import at all
+        return None, f"vLLM V1 scheduler not importable ({type(exc).__name__}: {exc})"
+    scheduler_cls = getattr(scheduler_module, SCHEDULER_CLASS, None)
+    if scheduler_cls is None:
+        return None, f"{SCHEDULER_MODULE} has no {SCHEDULER_CLASS}"
+    missing = [m for m in REQUIRED_METHODS if not callable(getattr(scheduler_cls, m, None))]
+    missing += [
+        f"SchedulerOutput.{f}"
+        for f in _SCHEDULER_OUTPUT_FIELDS
+        if f not in _field_names(SchedulerOutput)
+    ]
+    missing += [
+        f"ModelRunnerOutput.{f}"
+        for f in _MODEL_RUNNER_OUTPUT_FIELDS
+        if f not in _field_names(ModelRunnerOutput)
+    ]
+    if missing:
+        return None, "vLLM's scheduler lacks " + ", ".join(missing)
+    return scheduler_cls, None
+
+
+def _served_model_name(model_config: Any) -> str:
+    name = getattr(model_config, "served_model_name", None) or getattr(
+        model_config, "model", ""
+    )
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else ""
+    return str(name)[:MAX_MODEL_NAME_LEN]
+
+
+def _is_async(scheduler: Any) -> bool:
+    try:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    except ImportError:
+        return False
+    return isinstance(scheduler, AsyncScheduler)
+
+
+def engine_info(scheduler: Any) -> EngineInfo | None:
+    """Describe a scheduler's engine, or None when it does not speculate."""
+    vllm_config = scheduler.vllm_config
+    spec = vllm_config.speculative_config
+    k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    if k <= 0:
+        return None
+    parallel = vllm_config.parallel_config
+    return EngineInfo(
+        model=_served_model_name(vllm_config.model_config),
+        method=str(getattr(spec, "method", None) or "unknown"),
+        num_speculative_tokens=k,
+        data_parallel_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+        num_sampled_per_step=int(getattr(scheduler, "num_sampled_tokens_per_step", 1)),
+        async_scheduling=_is_async(scheduler),
+    )
+
+
+def invalid_spec_tokens(scheduler_output: Any) -> dict[str, int] | None:
+    """Grammar-invalidated draft counts per request (absent before ~0.9)."""
+    return getattr(scheduler_output, "num_invalid_spec_tokens", None)
+
+
+def failed_kv_load_ids(model_runner_output: Any) -> set[str] | None:
+    """Requests whose external KV load failed this step; vLLM skips them.
+
+    vLLM also skips requests hit by invalid KV blocks; telling which ones
+    needs the scheduler's block tables, so those rare steps may count
+    requests vLLM skipped (documented limitation).
+    """
+    kv_output = getattr(model_runner_output, "kv_connector_output", None)
+    failed = getattr(kv_output, "failed_recving", None) if kv_output else None
+    return set(failed) if failed else None
+
+
+def step_inputs(
+    scheduler_output: Any, model_runner_output: Any
+) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """The arguments of ``StepAccountant.observe_step`` for one call."""
+    return (
+        scheduler_output.scheduled_spec_decode_tokens,
+        scheduler_output.num_scheduled_tokens,
+        model_runner_output.sampled_token_ids,
+        model_runner_output.req_id_to_index,
+        invalid_spec_tokens(scheduler_output),
+        failed_kv_load_ids(model_runner_output),
+    )

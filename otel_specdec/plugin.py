@@ -1,0 +1,45 @@
+"""vLLM general-plugin entry point (``vllm.general_plugins``).
+
+vLLM calls ``register`` in every process it starts (API server, engine
+core, workers), possibly more than once. It is idempotent, imports the
+instrumentation lazily and never raises; only the engine-core process,
+where the scheduler runs, ever builds an exporter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["register"]
+
+_logger = logging.getLogger(__name__)
+
+# Set to "0"/"false" to keep the plugin installed but inactive.
+ENABLE_ENV = "OTEL_SPECDEC_ENABLED"
+
+
+def _enabled() -> bool:
+    value = os.environ.get(ENABLE_ENV, "true").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value not in ("1", "true", "yes", "on", ""):
+        _logger.error(
+            "otel_specdec: %s=%r is not a boolean; the plugin stays enabled", ENABLE_ENV, value
+        )
+    return True
+
+
+def register() -> None:
+    try:
+        if not _enabled():
+            return
+        from otel_specdec.instrumentor import SpecDecodeInstrumentor
+
+        instrumentor = SpecDecodeInstrumentor()
+        if not instrumentor.is_instrumented_by_opentelemetry:
+            # vLLM itself is loading us, so it is present (whatever its
+            # distribution is named); the patch checks its structure.
+            instrumentor.instrument(skip_dep_check=True)
+    except Exception:
+        _logger.exception("otel_specdec: failed to activate; vLLM continues without it")
