@@ -48,7 +48,8 @@ def vllm_counters(llm: Any) -> dict[str, Any]:
             values = [int(v) for v in metric.values]
             acc = out["accepted_per_pos"]
             acc.extend([0] * (len(values) - len(acc)))
-            out["accepted_per_pos"] = [a + v for a, v in zip(acc, values)]
+            for position, value in enumerate(values):
+                acc[position] += value
     return out
 
 
