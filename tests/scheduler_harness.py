@@ -1,0 +1,139 @@
+"""Drive vLLM's real ``Scheduler`` with hand-made model outputs.
+
+The scheduler is vLLM's own (built from a real ``VllmConfig`` for the tiny
+model); only the model runner is replaced: each step the test decides how
+many of each request's draft tokens the "target model" accepts, and what the
+drafter proposes next. vLLM's own ``SpecDecodingStats`` for the same steps
+are collected, so tests compare the plugin against vLLM itself. Used by the
+unit tests and by ``bench/``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+BONUS_TOKEN = 7  # the token the fake target model emits after the accepted prefix
+
+# accept(req_id, drafts) -> number of leading drafts the target accepts
+AcceptFn = Callable[[str, list[int]], int]
+# propose(req_id) -> draft token ids for the next step (may be empty)
+ProposeFn = Callable[[str], list[int]]
+
+
+@dataclass
+class VllmSpecStats:
+    """vLLM's own counters, summed over the steps driven so far."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, stats: Any) -> None:
+        self.drafts += stats.num_drafts
+        self.draft_tokens += stats.num_draft_tokens
+        self.accepted_tokens += stats.num_accepted_tokens
+        per_pos = list(stats.num_accepted_tokens_per_pos)
+        if len(self.accepted_per_pos) < len(per_pos):
+            self.accepted_per_pos += [0] * (len(per_pos) - len(self.accepted_per_pos))
+        for i, v in enumerate(per_pos):
+            self.accepted_per_pos[i] += v
+
+
+def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: bool = True,
+                    max_num_seqs: int = 1024, method: str = "ngram") -> Any:
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": num_speculative_tokens}
+    if method == "ngram":
+        spec.update(prompt_lookup_max=3, prompt_lookup_min=1)
+    args = EngineArgs(
+        model=model_dir, speculative_config=spec, max_model_len=512, dtype="float32",
+        enforce_eager=True, gpu_memory_utilization=0.15, max_num_seqs=max_num_seqs,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=max(8192, max_num_seqs * (num_speculative_tokens + 1) * 2),
+    )
+    vllm_config = args.create_engine_config()
+    vllm_config.cache_config.num_gpu_blocks = 200_000
+    kv_spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    kv_config = KVCacheConfig(
+        num_blocks=200_000, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], kv_spec)],
+    )
+    return Scheduler(
+        vllm_config=vllm_config, kv_cache_config=kv_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=16, log_stats=log_stats,
+    )
+
+
+class SchedulerHarness:
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.vllm = VllmSpecStats()
+        self._ids = itertools.count()
+
+    def add_requests(self, n: int, *, prompt_len: int = 8, max_tokens: int = 400) -> list[str]:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        ids = []
+        for _ in range(n):
+            req_id = f"req-{next(self._ids)}"
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            request = Request(req_id, list(range(10, 10 + prompt_len)), params, None)
+            self.scheduler.add_request(request)
+            ids.append(req_id)
+        return ids
+
+    def schedule(self) -> Any:
+        return self.scheduler.schedule()
+
+    def model_output(self, scheduler_output: Any, accept: AcceptFn) -> Any:
+        """What a model runner would return for ``scheduler_output``."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.scheduler.requests.get(req_id)  # None: aborted meanwhile
+            if request is not None and request.num_computed_tokens < request.num_prompt_tokens:
+                sampled.append([])  # partial prefill: no token yet
+                continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            n = accept(req_id, list(drafts)) if drafts else 0
+            sampled.append(list(drafts[:n]) + [BONUS_TOKEN])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def update(self, scheduler_output: Any, model_output: Any) -> Any:
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        for engine_outputs in outputs.values():
+            stats = engine_outputs.scheduler_stats
+            if stats is not None and stats.spec_decoding_stats is not None:
+                self.vllm.add(stats.spec_decoding_stats)
+        return outputs
+
+    def propose(self, scheduler_output: Any, propose: ProposeFn) -> None:
+        from vllm.v1.outputs import DraftTokenIds
+
+        req_ids = [r for r in scheduler_output.num_scheduled_tokens if r in self.scheduler.requests]
+        self.scheduler.update_draft_token_ids(
+            DraftTokenIds(req_ids, [propose(r) for r in req_ids])
+        )
+
+    def step(self, accept: AcceptFn, propose: ProposeFn) -> Any:
+        scheduler_output = self.schedule()
+        outputs = self.update(scheduler_output, self.model_output(scheduler_output, accept))
+        self.propose(scheduler_output, propose)
+        return scheduler_output, outputs

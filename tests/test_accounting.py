@@ -1,0 +1,209 @@
+"""The accounting, on vLLM's real scheduler fed with hand-made model outputs.
+
+Each test drives vLLM's own ``Scheduler`` (see ``scheduler_harness``) and
+compares what the plugin exported with vLLM's own ``SpecDecodingStats`` for
+the same steps, and with expectations computed from the test's own plan.
+"""
+
+from __future__ import annotations
+
+import pytest
+from otel_helpers import histogram, per_position, points, total
+from scheduler_harness import SchedulerHarness, build_scheduler
+
+K = 3
+DRAFTS = "vllm.spec_decode.drafts"
+DRAFT_TOKENS = "vllm.spec_decode.draft_tokens"
+ACCEPTED = "vllm.spec_decode.accepted_tokens"
+LENGTH = "vllm.spec_decode.acceptance_length"
+REQ_RATE = "vllm.spec_decode.request.acceptance_rate"
+EMPTY = "vllm.spec_decode.empty_proposals"
+PADDING = "vllm.spec_decode.padding_tokens"
+
+
+def accepted_prefix(mask: list[int]) -> int:
+    """Length of the accepted prefix of per-token verdicts (first 0 ends it)."""
+    n = 0
+    for verdict in mask:
+        if not verdict:
+            break
+        n += 1
+    return n
+
+
+def full_proposal(_req_id: str) -> list[int]:
+    return [20 + i for i in range(K)]
+
+
+def assert_matches_vllm(harness: SchedulerHarness, data) -> None:
+    vllm = harness.vllm
+    assert total(data, DRAFTS) == vllm.drafts
+    assert total(data, DRAFT_TOKENS) == vllm.draft_tokens
+    assert total(data, ACCEPTED) == vllm.accepted_tokens
+    assert per_position(data, ACCEPTED) == vllm.accepted_per_pos
+    length = histogram(data, LENGTH)
+    assert length.count == vllm.drafts
+    # Mean acceptance length includes the bonus token.
+    assert length.sum == vllm.drafts + vllm.accepted_tokens
+
+
+@pytest.fixture
+def harness(tiny_model, reader) -> SchedulerHarness:
+    return SchedulerHarness(build_scheduler(tiny_model, K))
+
+
+def run(harness: SchedulerHarness, steps: int, accept, propose=full_proposal) -> None:
+    for _ in range(steps):
+        harness.step(accept, propose)
+
+
+def test_seed_example_counts_only_the_accepted_prefix(harness, reader):
+    # Drafts [t1, t2, t3]; the target agrees with t1, rejects t2, would agree
+    # with t3: per-token verdicts [1, 0, 1]. Only t1 is accepted.
+    harness.add_requests(1)
+    harness.step(lambda r, d: 0, full_proposal)  # prefill; drafter proposes t1..t3
+    before = harness.vllm.drafts
+    harness.step(lambda r, d: accepted_prefix([1, 0, 1]), full_proposal)
+    data = reader.get_metrics_data()
+    assert harness.vllm.drafts - before == 1
+    assert total(data, DRAFTS) == 1
+    assert total(data, DRAFT_TOKENS) == 3
+    assert total(data, ACCEPTED) == 1
+    assert per_position(data, ACCEPTED) == [1, 0, 0]
+    assert per_position(data, DRAFT_TOKENS) == [1, 1, 1]
+    assert_matches_vllm(harness, data)
+
+
+@pytest.mark.parametrize("accepted", [K, 0], ids=["all-accepted", "none-accepted"])
+def test_all_or_none_accepted(harness, reader, accepted):
+    harness.add_requests(5)
+    run(harness, 12, lambda r, d: min(accepted, len(d)))
+    data = reader.get_metrics_data()
+    assert_matches_vllm(harness, data)
+    drafts = harness.vllm.drafts
+    assert drafts > 0
+    assert total(data, ACCEPTED) == drafts * accepted
+    assert per_position(data, ACCEPTED) == [drafts if i < accepted else 0 for i in range(K)]
+    length = histogram(data, LENGTH)
+    assert length.explicit_bounds == tuple(float(i) for i in range(1, K + 2))
+    assert length.bucket_counts[accepted] == drafts
+    assert length.min == length.max == 1 + accepted
+
+
+def test_variable_length_ngram_drafts_and_empty_proposals(harness, reader):
+    ids = harness.add_requests(6)
+    lengths = {r: i % (K + 1) for i, r in enumerate(ids)}  # 0..K, 0 = ngram miss
+    decode_steps_without_draft = 0
+
+    def propose(req_id: str) -> list[int]:
+        return [30 + i for i in range(lengths[req_id])]
+
+    harness.step(lambda r, d: 0, propose)  # prefill
+    for step in range(10):
+        so = harness.schedule()
+        decode_steps_without_draft += sum(
+            1 for r in so.num_scheduled_tokens if r not in so.scheduled_spec_decode_tokens
+        )
+        harness.update(so, harness.model_output(so, lambda r, d: (step + len(d)) % (len(d) + 1)))
+        harness.propose(so, propose)
+    data = reader.get_metrics_data()
+    assert_matches_vllm(harness, data)
+    expected_drafted = [sum(1 for n in lengths.values() if n > i) * 10 for i in range(K)]
+    assert per_position(data, DRAFT_TOKENS) == expected_drafted
+    never_drafted = sum(1 for n in lengths.values() if n == 0)
+    assert decode_steps_without_draft == 10 * never_drafted
+    assert total(data, EMPTY) == decode_steps_without_draft
+
+
+def test_grammar_invalidated_drafts_are_not_drafted(harness, reader):
+    ids = harness.add_requests(3)
+    harness.step(lambda r, d: 0, full_proposal)
+    invalidated = 0
+    for _ in range(6):
+        so = harness.schedule()
+        # What vLLM's structured-output validation does to a rejected draft
+        # tail: replace it with -1 and record how many were invalid.
+        so.num_invalid_spec_tokens = {}
+        for req_id in ids[:2]:
+            drafts = so.scheduled_spec_decode_tokens[req_id]
+            drafts[-1] = -1
+            so.num_invalid_spec_tokens[req_id] = 1
+            invalidated += 1
+        harness.update(so, harness.model_output(so, lambda r, d: 1))
+        harness.propose(so, full_proposal)
+    data = reader.get_metrics_data()
+    assert_matches_vllm(harness, data)
+    assert total(data, DRAFT_TOKENS) == harness.vllm.drafts * K - invalidated
+    assert total(data, PADDING) == 0  # invalid slots are not padding
+
+
+def test_finished_and_aborted_requests_in_the_step_are_skipped(harness, reader):
+    from vllm.v1.request import RequestStatus
+
+    ids = harness.add_requests(4, max_tokens=6)  # finish by length mid-run
+    harness.step(lambda r, d: 0, full_proposal)
+    so = harness.schedule()
+    # Aborted while the model ran: vLLM skips its output.
+    harness.scheduler.finish_requests(ids[0], RequestStatus.FINISHED_ABORTED)
+    harness.update(so, harness.model_output(so, lambda r, d: 1))
+    harness.propose(so, full_proposal)
+    run(harness, 8, lambda r, d: 2)
+    assert not harness.scheduler.requests  # all finished
+    data = reader.get_metrics_data()
+    assert_matches_vllm(harness, data)
+
+
+def test_request_acceptance_rate_one_value_per_finished_request(harness, reader):
+    ids = harness.add_requests(4, max_tokens=40)
+    accepted = {r: i % (K + 1) for i, r in enumerate(ids)}  # 0, 1, 2, 3 of 3
+    run(harness, 40, lambda r, d: min(accepted[r], len(d)))
+    assert not harness.scheduler.requests
+    data = reader.get_metrics_data()
+    point = histogram(data, REQ_RATE)
+    rates = [accepted[r] / K for r in ids]
+    assert point.count == len(ids)
+    assert point.sum == pytest.approx(sum(rates))
+    assert point.min == min(rates) and point.max == max(rates)
+    assert point.explicit_bounds == tuple(i / 10 for i in range(11))
+    import bisect
+
+    expected = [0] * 12
+    for rate in rates:
+        expected[bisect.bisect_left(point.explicit_bounds, rate)] += 1
+    assert list(point.bucket_counts) == expected
+
+
+def test_counts_without_vllm_stats_logging(tiny_model, reader):
+    # Two identical schedulers, one with vLLM's own stats off: the plugin's
+    # numbers for the second equal vLLM's numbers for the first.
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: F401
+
+    with_stats = SchedulerHarness(build_scheduler(tiny_model, K, log_stats=True))
+    with_stats.add_requests(3)
+    run(with_stats, 10, lambda r, d: 1)
+    first = reader.get_metrics_data()
+    without = SchedulerHarness(build_scheduler(tiny_model, K, log_stats=False))
+    without.add_requests(3)
+    run(without, 10, lambda r, d: 1)
+    assert without.vllm.drafts == 0  # vLLM itself counted nothing
+    second = reader.get_metrics_data()
+    assert total(second, DRAFTS) - total(first, DRAFTS) == with_stats.vllm.drafts
+    assert total(second, ACCEPTED) - total(first, ACCEPTED) == with_stats.vllm.accepted_tokens
+
+
+def test_common_attributes_and_no_request_data(harness, reader):
+    harness.add_requests(2)
+    run(harness, 4, lambda r, d: 1)
+    data = reader.get_metrics_data()
+    for name in (DRAFTS, DRAFT_TOKENS, ACCEPTED, LENGTH):
+        for point in points(data, name):
+            assert point.attributes["vllm.spec_decode.method"] == "ngram"
+            assert point.attributes["vllm.spec_decode.num_speculative_tokens"] == K
+            assert point.attributes["gen_ai.request.model"]
+            values = [str(v) for v in point.attributes.values()]
+            assert not any(v.startswith("req-") for v in values)
+    scopes = {sm.scope.name: sm.scope.version for rm in data.resource_metrics
+              for sm in rm.scope_metrics}
+    from otel_specdec import __version__
+
+    assert scopes == {"otel_specdec": __version__}
