@@ -1,0 +1,144 @@
+"""End to end: real vLLM (CPU build), engine core in its own process, the
+plugin loaded through vLLM's entry point, OTLP export to a real receiver on
+loopback. The totals received must equal vLLM's own counters exactly.
+
+The export interval is left at its default (60 s), longer than each run, so
+these tests also prove that the final values are flushed at shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from otel_specdec._engine_run import RESULT_PREFIX
+from otel_specdec._receiver import OtlpReceiver
+
+pytestmark = pytest.mark.engine
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("OTEL_") and k != "VLLM_PLUGINS"}
+    env.update(extra)
+    return env
+
+
+def run_engine(config: dict, env: dict[str, str], launcher: tuple[str, ...] = ()) -> dict:
+    proc = subprocess.run(
+        [*launcher, sys.executable, "-m", "otel_specdec._engine_run", json.dumps(config)],
+        env=env, capture_output=True, text=True, timeout=420,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-6000:]
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    result["stderr"] = proc.stderr
+    return result
+
+
+def received(store) -> dict:
+    return {
+        "drafts": store.counter_total("vllm.spec_decode.drafts"),
+        "draft_tokens": store.counter_total("vllm.spec_decode.draft_tokens"),
+        "accepted_tokens": store.counter_total("vllm.spec_decode.accepted_tokens"),
+        "accepted_per_pos": [
+            v for _, v in sorted(
+                store.by_attribute("vllm.spec_decode.accepted_tokens",
+                                   "vllm.spec_decode.position").items())
+        ],
+    }
+
+
+def run_with_receiver(config: dict, protocol: str = "grpc", launcher: tuple[str, ...] = (),
+                      **env: str) -> tuple[dict, object]:
+    with OtlpReceiver() as receiver:
+        result = run_engine(config, _clean_env(
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint(protocol),
+            OTEL_EXPORTER_OTLP_PROTOCOL=protocol, **env,
+        ), launcher)
+        return result, receiver.store
+
+
+def assert_totals_equal_vllm(result: dict, store, own_provider: bool = True) -> None:
+    vllm = result["vllm"]
+    assert vllm["drafts"] > 0
+    assert received(store) == vllm
+    length = store.histogram_total("vllm.spec_decode.acceptance_length")
+    assert length.count == vllm["drafts"]
+    assert length.sum == vllm["drafts"] + vllm["accepted_tokens"]
+    if not own_provider:
+        return
+    # Every series carries a per-process identity.
+    for series in store.series("vllm.spec_decode.drafts"):
+        assert series.resource["service.name"] == "vllm"
+        assert series.resource["service.instance.id"]
+
+
+@pytest.fixture(scope="module")
+def ngram_grpc(tiny_model):
+    return run_with_receiver({"model": tiny_model, "speculative_config": NGRAM}, "grpc")
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_ngram_totals_equal_vllm(tiny_model, ngram_grpc, protocol):
+    if protocol == "grpc":
+        result, store = ngram_grpc
+    else:
+        result, store = run_with_receiver(
+            {"model": tiny_model, "speculative_config": NGRAM}, protocol)
+    assert_totals_equal_vllm(result, store)
+    requests = store.histogram_total("vllm.spec_decode.request.acceptance_rate")
+    assert 0 < requests.count <= len(result["token_ids"])
+
+
+def test_identical_draft_model_accepts_everything(tiny_model):
+    spec = {"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 3}
+    result, store = run_with_receiver({"model": tiny_model, "speculative_config": spec})
+    assert_totals_equal_vllm(result, store)
+    totals = received(store)
+    assert totals["accepted_tokens"] == totals["draft_tokens"]
+    rates = store.histogram_total("vllm.spec_decode.request.acceptance_rate")
+    assert rates.min == rates.max == 1.0
+
+
+def test_different_draft_model(tiny_model, other_model):
+    spec = {"method": "draft_model", "model": other_model, "num_speculative_tokens": 3}
+    result, store = run_with_receiver(
+        {"model": tiny_model, "speculative_config": spec}, "http/protobuf")
+    assert_totals_equal_vllm(result, store)
+    totals = received(store)
+    assert totals["accepted_tokens"] < totals["draft_tokens"]
+    [series] = store.series("vllm.spec_decode.drafts")
+    assert series.attributes["vllm.spec_decode.method"] == "draft_model"
+
+
+def test_greedy_output_identical_without_plugin(tiny_model, ngram_grpc):
+    with_plugin, _ = ngram_grpc
+    without = run_engine({"model": tiny_model, "speculative_config": NGRAM},
+                         _clean_env(VLLM_PLUGINS=""))
+    assert "otel_specdec" not in without["stderr"]
+    assert without["token_ids"] == with_plugin["token_ids"]
+    assert without["vllm"] == with_plugin["vllm"]
+
+
+def test_both_activation_paths_do_not_double_count(tiny_model):
+    """``opentelemetry-instrument`` (with the distro's SDK provider) and
+    vLLM's general plugin both active in the same engine process."""
+    launcher = (str(Path(sys.executable).with_name("opentelemetry-instrument")),)
+    result, store = run_with_receiver(
+        {"model": tiny_model, "speculative_config": NGRAM}, "grpc", launcher,
+        OTEL_TRACES_EXPORTER="none", OTEL_LOGS_EXPORTER="none", OTEL_METRICS_EXPORTER="otlp",
+        OTEL_METRIC_EXPORT_INTERVAL="1000",
+    )
+    assert_totals_equal_vllm(result, store, own_provider=False)
+    # The metrics came through the distro's provider: its resource, not ours.
+    [series] = store.series("vllm.spec_decode.drafts")
+    assert "vllm.data_parallel.rank" not in series.resource
