@@ -104,7 +104,9 @@ def test_variable_length_ngram_drafts_and_empty_proposals(harness, reader):
         decode_steps_without_draft += sum(
             1 for r in so.num_scheduled_tokens if r not in so.scheduled_spec_decode_tokens
         )
-        harness.update(so, harness.model_output(so, lambda r, d: (step + len(d)) % (len(d) + 1)))
+        harness.update(
+            so, harness.model_output(so, lambda r, d, s=step: (s + len(d)) % (len(d) + 1))
+        )
         harness.propose(so, propose)
     data = reader.get_metrics_data()
     assert_matches_vllm(harness, data)
