@@ -14,6 +14,8 @@ import json
 import sys
 from typing import Any
 
+from otel_specdec._receiver import add_elementwise
+
 __all__ = ["run", "DEFAULT_PROMPTS", "RESULT_PREFIX"]
 
 RESULT_PREFIX = "OTEL_SPECDEC_RESULT "
@@ -45,11 +47,7 @@ def vllm_counters(llm: Any) -> dict[str, Any]:
         if metric.name in _COUNTERS:
             out[_COUNTERS[metric.name]] += int(metric.value)
         elif metric.name == _PER_POS:
-            values = [int(v) for v in metric.values]
-            acc = out["accepted_per_pos"]
-            acc.extend([0] * (len(values) - len(acc)))
-            for position, value in enumerate(values):
-                acc[position] += value
+            add_elementwise(out["accepted_per_pos"], [int(v) for v in metric.values])
     return out
 
 

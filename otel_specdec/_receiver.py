@@ -22,7 +22,7 @@ from opentelemetry.proto.collector.metrics.v1 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-__all__ = ["MetricsStore", "OtlpReceiver", "HistogramTotal"]
+__all__ = ["MetricsStore", "OtlpReceiver", "HistogramTotal", "add_elementwise"]
 
 _DELTA = 1  # AGGREGATION_TEMPORALITY_DELTA
 
@@ -38,6 +38,14 @@ def attributes_of(kvs: Any) -> dict[str, Any]:
     return {kv.key: _any_value(kv.value) for kv in kvs}
 
 
+def add_elementwise(target: list[int], values: Any) -> None:
+    """``target[i] += values[i]``, growing ``target`` as needed."""
+    values = list(values)
+    target.extend([0] * (len(values) - len(target)))
+    for i, value in enumerate(values):
+        target[i] += value
+
+
 def _key(attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(attrs.items()))
 
@@ -50,6 +58,17 @@ class HistogramTotal:
     explicit_bounds: list[float] = field(default_factory=list)
     min: float | None = None
     max: float | None = None
+
+    def merge(self, other: HistogramTotal) -> None:
+        """Add ``other``'s counts (same bounds) into this total."""
+        self.count += other.count
+        self.sum += other.sum
+        add_elementwise(self.bucket_counts, other.bucket_counts)
+        self.explicit_bounds = other.explicit_bounds or self.explicit_bounds
+        if other.min is not None:
+            self.min = other.min if self.min is None else min(self.min, other.min)
+        if other.max is not None:
+            self.max = other.max if self.max is None else max(self.max, other.max)
 
 
 @dataclass
@@ -98,19 +117,12 @@ class MetricsStore:
                 series = self._get(resource, scope, metric, kind, point)
                 if not delta or series.value is None:
                     series.value = HistogramTotal()
-                total = series.value
-                total.count += point.count
-                total.sum += point.sum
-                counts = list(point.bucket_counts)
-                if len(total.bucket_counts) < len(counts):
-                    total.bucket_counts += [0] * (len(counts) - len(total.bucket_counts))
-                for i, c in enumerate(counts):
-                    total.bucket_counts[i] += c
-                total.explicit_bounds = list(point.explicit_bounds)
-                if point.HasField("min"):
-                    total.min = point.min if total.min is None else min(total.min, point.min)
-                if point.HasField("max"):
-                    total.max = point.max if total.max is None else max(total.max, point.max)
+                series.value.merge(HistogramTotal(
+                    point.count, point.sum, list(point.bucket_counts),
+                    list(point.explicit_bounds),
+                    point.min if point.HasField("min") else None,
+                    point.max if point.HasField("max") else None,
+                ))
 
     def _get(self, resource: dict[str, Any], scope: tuple[str, str], metric: Any,
              kind: str, point: Any) -> _Series:
@@ -143,19 +155,7 @@ class MetricsStore:
     def histogram_total(self, name: str) -> HistogramTotal:
         merged = HistogramTotal()
         for s in self.series(name):
-            h = s.value
-            merged.count += h.count
-            merged.sum += h.sum
-            if len(merged.bucket_counts) < len(h.bucket_counts):
-                merged.bucket_counts += [0] * (len(h.bucket_counts) - len(merged.bucket_counts))
-            for i, c in enumerate(h.bucket_counts):
-                merged.bucket_counts[i] += c
-            merged.explicit_bounds = h.explicit_bounds or merged.explicit_bounds
-            for attr, pick in (("min", min), ("max", max)):
-                value = getattr(h, attr)
-                if value is not None:
-                    current = getattr(merged, attr)
-                    setattr(merged, attr, value if current is None else pick(current, value))
+            merged.merge(s.value)
         return merged
 
     def wait_for(self, predicate: Any, timeout: float) -> bool:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from otel_specdec._receiver import add_elementwise
+
 BONUS_TOKEN = 7  # the token the fake target model emits after the accepted prefix
 
 # accept(req_id, drafts) -> number of leading drafts the target accepts
@@ -36,11 +38,7 @@ class VllmSpecStats:
         self.drafts += stats.num_drafts
         self.draft_tokens += stats.num_draft_tokens
         self.accepted_tokens += stats.num_accepted_tokens
-        per_pos = list(stats.num_accepted_tokens_per_pos)
-        if len(self.accepted_per_pos) < len(per_pos):
-            self.accepted_per_pos += [0] * (len(per_pos) - len(self.accepted_per_pos))
-        for i, v in enumerate(per_pos):
-            self.accepted_per_pos[i] += v
+        add_elementwise(self.accepted_per_pos, stats.num_accepted_tokens_per_pos)
 
 
 def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: bool = True,
