@@ -30,7 +30,6 @@ The rules (vLLM ``Scheduler.update_from_output`` and
 from __future__ import annotations
 
 import bisect
-import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -51,10 +50,6 @@ class TotalsSnapshot(NamedTuple):
     padding_tokens: int
     rate_buckets: list[int]
     rate_sum: float
-
-    @property
-    def drafts(self) -> int:
-        return sum(self.accepted_hist)
 
     def accepted_per_position(self, k: int) -> list[int]:
         return _tail_sums(self.accepted_hist, k)
@@ -146,7 +141,6 @@ class StepAccountant:
         "_num_sampled",
         "_track_padding",
         "_check_stale",
-        "_pid",
     )
 
     def __init__(
@@ -166,11 +160,6 @@ class StepAccountant:
         # so padding cannot be told apart there.
         self._track_padding = track_padding
         self._check_stale: bool | None = None
-        self._pid = os.getpid()
-
-    @property
-    def live_requests(self) -> int:
-        return len(self._tallies)
 
     def observe_step(
         self,

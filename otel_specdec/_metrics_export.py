@@ -183,7 +183,7 @@ class HistogramInjector:
         self._registry = registry
         self._resource = resource
         self._scope = InstrumentationScope(names.METER_NAME, __version__)
-        self._readers: dict[int, tuple[MetricReader, Any, _ReaderState]] = {}
+        self._readers: dict[int, MetricReader] = {}
         self._failed = False
 
     def attach(self, reader: MetricReader) -> None:
@@ -203,10 +203,11 @@ class HistogramInjector:
             return original(metrics_data, timeout_millis=timeout_millis, **kwargs)
 
         reader._receive_metrics = receive_metrics  # type: ignore[method-assign]
-        self._readers[id(reader)] = (reader, original, state)
+        self._readers[id(reader)] = reader
 
     def detach_all(self) -> None:
-        for reader, _original, _state in self._readers.values():
+        for reader in self._readers.values():
+            # Drop the instance attribute: the class's method shows through.
             reader.__dict__.pop("_receive_metrics", None)
         self._readers.clear()
 
