@@ -40,6 +40,10 @@ __all__ = ["SpecDecodeTotals", "StepAccountant", "TotalsSnapshot"]
 
 Attributes = Mapping[str, Any]
 
+# A request's accepted-token count fits below bit 32 (4 billion tokens).
+_TALLY_SHIFT = 32
+_TALLY_MASK = (1 << _TALLY_SHIFT) - 1
+
 
 class TotalsSnapshot(NamedTuple):
     """A consistent copy of one totals entry, taken at collection time."""
@@ -141,6 +145,7 @@ class StepAccountant:
         "_num_sampled",
         "_track_padding",
         "_check_stale",
+        "_finished_above",
     )
 
     def __init__(
@@ -150,16 +155,20 @@ class StepAccountant:
         *,
         num_sampled_per_step: int = 1,
         track_padding: bool = True,
+        finished_above: int | None = None,
     ) -> None:
         self.totals = totals
         self._requests = requests
-        # req_id -> [drafted, accepted] over the request's life so far.
-        self._tallies: dict[str, list[int]] = {}
+        # req_id -> drafted << 32 | accepted over the request's life so far
+        # (one int: one dict read and one write per request per step).
+        self._tallies: dict[str, int] = {}
         self._num_sampled = num_sampled_per_step
         # Under async scheduling every scheduled draft is a -1 placeholder,
         # so padding cannot be told apart there.
         self._track_padding = track_padding
         self._check_stale: bool | None = None
+        # Statuses above this are finished (see _vllm_compat); None: ask the request.
+        self._finished_above = finished_above
 
     def observe_step(
         self,
@@ -184,13 +193,19 @@ class StepAccountant:
         tallies = self._tallies
         num_sampled = self._num_sampled
         track_padding = self._track_padding
+        finished_above = self._finished_above
         padding = 0
 
         for req_id, drafts in spec_tokens.items():
             if not drafts:
                 continue
             request = requests.get(req_id)
-            if request is None or request.is_finished():
+            if request is None:
+                continue
+            if finished_above is None:
+                if request.is_finished():
+                    continue
+            elif request.status > finished_above:
                 continue
             if skip is not None and req_id in skip:
                 continue
@@ -220,12 +235,7 @@ class StepAccountant:
                 totals.grow(max(num_accepted, num_drafted) + 1)
                 accepted_hist[num_accepted] += 1
                 drafted_hist[num_drafted] += 1
-            tally = tallies.get(req_id)
-            if tally is None:
-                tallies[req_id] = [num_drafted, num_accepted]
-            else:
-                tally[0] += num_drafted
-                tally[1] += num_accepted
+            tallies[req_id] = tallies.get(req_id, 0) + (num_drafted << _TALLY_SHIFT | num_accepted)
 
         if padding:
             totals.padding_tokens += padding
@@ -249,7 +259,7 @@ class StepAccountant:
         proposed nothing (an ngram miss, for instance). Single-token prefill
         chunks have no output yet and are not counted.
         """
-        if not sampled_token_ids:
+        if not sampled_token_ids or not list(num_scheduled_tokens.values()).count(1):
             return 0
         requests = self._requests
         empty = 0
@@ -265,9 +275,10 @@ class StepAccountant:
 
     def observe_freed(self, request_id: str) -> None:
         """Record a finished (or aborted) request's acceptance rate."""
-        tally = self._tallies.pop(request_id, None)
-        if tally is not None and tally[0] > 0:
-            self.totals.observe_request(tally[0], tally[1])
+        tally = self._tallies.pop(request_id, 0)
+        drafted, accepted = tally >> _TALLY_SHIFT, tally & _TALLY_MASK
+        if drafted > 0:
+            self.totals.observe_request(drafted, accepted)
 
     def forget_requests(self) -> None:
         self._tallies.clear()

@@ -15,7 +15,7 @@ from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
 
-from otel_specdec import _provider
+from otel_specdec import _provider, _vllm_compat
 from otel_specdec._accounting import StepAccountant
 from otel_specdec._instruments import METER_NAME
 from otel_specdec._metrics_export import HistogramInjector, TotalsRegistry, register_counters
@@ -56,6 +56,7 @@ class Runtime:
             scheduler.requests,
             num_sampled_per_step=info.num_sampled_per_step,
             track_padding=not info.async_scheduling,
+            finished_above=_vllm_compat.finished_status_threshold(),
         )
 
     def flush(self) -> None:
