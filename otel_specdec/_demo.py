@@ -8,9 +8,7 @@ prints what a dashboard would show next to vLLM's own counters. With
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -18,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from otel_specdec._engine_run import RESULT_PREFIX
+from otel_specdec._engine_run import run_in_child
 from otel_specdec._receiver import MetricsStore, OtlpReceiver
 
 __all__ = ["main"]
@@ -50,23 +48,15 @@ def _with_progress(label: str, func: Any, *args: Any) -> Any:
 
 def _run_engine(config: dict[str, Any], env: dict[str, str], log_path: Path) -> dict[str, Any]:
     with open(log_path, "w") as log:
-        proc = subprocess.run(
-            [sys.executable, "-m", "otel_specdec._engine_run", json.dumps(config)],
-            env=env, stdout=subprocess.PIPE, stderr=log, text=True,
-        )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}); its log: {log_path}")
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+        try:
+            return run_in_child(config, env, stderr=log)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; engine log: {log_path}") from None
 
 
 def _received(store: MetricsStore) -> dict[str, Any]:
-    per_pos = store.by_attribute("vllm.spec_decode.accepted_tokens", "vllm.spec_decode.position")
     return {
-        "drafts": store.counter_total("vllm.spec_decode.drafts"),
-        "draft_tokens": store.counter_total("vllm.spec_decode.draft_tokens"),
-        "accepted_tokens": store.counter_total("vllm.spec_decode.accepted_tokens"),
-        "accepted_per_pos": [per_pos[p] for p in sorted(per_pos)],
+        **store.spec_decode_totals(),
         "empty_proposals": store.counter_total("vllm.spec_decode.empty_proposals"),
         "requests": store.histogram_total("vllm.spec_decode.request.acceptance_rate"),
     }

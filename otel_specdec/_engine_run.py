@@ -11,12 +11,13 @@ own process) and the plugin loads through vLLM's entry point.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from typing import Any
 
 from otel_specdec._receiver import add_elementwise
 
-__all__ = ["run", "DEFAULT_PROMPTS", "RESULT_PREFIX"]
+__all__ = ["run", "run_in_child", "DEFAULT_PROMPTS", "RESULT_PREFIX"]
 
 RESULT_PREFIX = "OTEL_SPECDEC_RESULT "
 
@@ -72,6 +73,28 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     if not config.get("disable_log_stats", False):
         result["vllm"] = vllm_counters(llm)
     del llm
+    return result
+
+
+def run_in_child(config: dict[str, Any], env: dict[str, str], *,
+                 launcher: tuple[str, ...] = (), stderr: Any = subprocess.PIPE,
+                 timeout: float | None = None) -> dict[str, Any]:
+    """``run(config)`` in a fresh Python process with ``env``; its result.
+
+    ``launcher`` prefixes the command (e.g. ``opentelemetry-instrument``).
+    With the default ``stderr``, the child's log is returned as ``"stderr"``.
+    """
+    proc = subprocess.run(
+        [*launcher, sys.executable, "-m", "otel_specdec._engine_run", json.dumps(config)],
+        env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        log = proc.stderr[-6000:] if proc.stderr else "(see the engine log)"
+        raise RuntimeError(f"vLLM run failed (exit {proc.returncode}): {log}")
+    result = json.loads(lines[-1][len(RESULT_PREFIX):])
+    if proc.stderr is not None:
+        result["stderr"] = proc.stderr
     return result
 
 

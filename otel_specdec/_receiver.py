@@ -152,6 +152,17 @@ class MetricsStore:
             out[key] = out.get(key, 0) + s.value
         return out
 
+    def spec_decode_totals(self) -> dict[str, Any]:
+        """The totals comparable with vLLM's own counters (``_engine_run``)."""
+        per_pos = self.by_attribute("vllm.spec_decode.accepted_tokens",
+                                    "vllm.spec_decode.position")
+        return {
+            "drafts": self.counter_total("vllm.spec_decode.drafts"),
+            "draft_tokens": self.counter_total("vllm.spec_decode.draft_tokens"),
+            "accepted_tokens": self.counter_total("vllm.spec_decode.accepted_tokens"),
+            "accepted_per_pos": [per_pos[p] for p in sorted(per_pos)],
+        }
+
     def histogram_total(self, name: str) -> HistogramTotal:
         merged = HistogramTotal()
         for s in self.series(name):

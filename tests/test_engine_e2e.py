@@ -8,15 +8,13 @@ these tests also prove that the final values are flushed at shutdown.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from otel_specdec._engine_run import RESULT_PREFIX
+from otel_specdec._engine_run import run_in_child
 from otel_specdec._receiver import OtlpReceiver
 
 pytestmark = pytest.mark.engine
@@ -33,28 +31,11 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_engine(config: dict, env: dict[str, str], launcher: tuple[str, ...] = ()) -> dict:
-    proc = subprocess.run(
-        [*launcher, sys.executable, "-m", "otel_specdec._engine_run", json.dumps(config)],
-        env=env, capture_output=True, text=True, timeout=420,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-6000:]
-    result = json.loads(lines[-1][len(RESULT_PREFIX):])
-    result["stderr"] = proc.stderr
-    return result
+    return run_in_child(config, env, launcher=launcher, timeout=420)
 
 
 def received(store) -> dict:
-    return {
-        "drafts": store.counter_total("vllm.spec_decode.drafts"),
-        "draft_tokens": store.counter_total("vllm.spec_decode.draft_tokens"),
-        "accepted_tokens": store.counter_total("vllm.spec_decode.accepted_tokens"),
-        "accepted_per_pos": [
-            v for _, v in sorted(
-                store.by_attribute("vllm.spec_decode.accepted_tokens",
-                                   "vllm.spec_decode.position").items())
-        ],
-    }
+    return store.spec_decode_totals()
 
 
 def run_with_receiver(config: dict, protocol: str = "grpc", launcher: tuple[str, ...] = (),
