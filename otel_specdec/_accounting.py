@@ -32,17 +32,37 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from otel_specdec._instruments import REQUEST_RATE_BOUNDS
+from otel_specdec._row_tallies import RowTallies
 
 __all__ = ["SpecDecodeTotals", "StepAccountant", "TotalsSnapshot"]
 
 Attributes = Mapping[str, Any]
 
-# A request's accepted-token count fits below bit 32 (4 billion tokens).
-_TALLY_SHIFT = 32
-_TALLY_MASK = (1 << _TALLY_SHIFT) - 1
+VECTORISE_FROM_BATCH = 32
+# A freed request may still appear in steps already in flight (async
+# scheduling, pipeline parallelism); its id is remembered this many steps.
+_FREED_KEEP_STEPS = 16
+# Spilled tallies of requests that vanished without being freed are swept.
+_SWEEP_EVERY_STEPS = 4096
+
+_LAST = itemgetter(-1)
+_STALE_TOKENS = attrgetter("num_stale_output_tokens")
+
+
+class _Gone:
+    """Stands in for a request no longer in the scheduler."""
+
+    num_stale_output_tokens = 0
+
+
+_GONE = _Gone()
 
 
 class TotalsSnapshot(NamedTuple):
@@ -136,16 +156,29 @@ class SpecDecodeTotals:
 
 
 class StepAccountant:
-    """Per-scheduler accounting: feeds one ``SpecDecodeTotals`` each step."""
+    """Per-scheduler accounting: feeds one ``SpecDecodeTotals`` each step.
+
+    Two paths compute the same numbers. The exact path is a Python loop that
+    follows vLLM's own loop request by request; it serves small batches and
+    every unusual step (grammar-invalidated drafts, failed KV loads, stale
+    output after a preemption, several sampled tokens per step). The
+    vectorised path serves the common step of a large batch: it extracts the
+    draft and output lengths in C-level passes and counts them with numpy,
+    so its cost per request is a few tens of nanoseconds.
+    """
 
     __slots__ = (
         "totals",
+        "vectorise_from",
         "_requests",
         "_tallies",
         "_num_sampled",
         "_track_padding",
+        "_stale_possible",
         "_check_stale",
         "_finished_above",
+        "_freed",
+        "_step",
     )
 
     def __init__(
@@ -155,20 +188,29 @@ class StepAccountant:
         *,
         num_sampled_per_step: int = 1,
         track_padding: bool = True,
+        stale_possible: bool = True,
         finished_above: int | None = None,
     ) -> None:
         self.totals = totals
+        # Batches smaller than this take the exact path (numpy's fixed cost
+        # per call outweighs the loop there).
+        self.vectorise_from = VECTORISE_FROM_BATCH
         self._requests = requests
-        # req_id -> drafted << 32 | accepted over the request's life so far
-        # (one int: one dict read and one write per request per step).
-        self._tallies: dict[str, int] = {}
+        self._tallies = RowTallies()
         self._num_sampled = num_sampled_per_step
         # Under async scheduling every scheduled draft is a -1 placeholder,
         # so padding cannot be told apart there.
         self._track_padding = track_padding
+        # Stale output exists only where a step can be in flight when a
+        # request is preempted (async scheduling, pipeline parallelism).
+        self._stale_possible = stale_possible
         self._check_stale: bool | None = None
         # Statuses above this are finished (see _vllm_compat); None: ask the request.
         self._finished_above = finished_above
+        # req_id -> step at which it was freed. A freed request can still be in
+        # a step that was in flight; vLLM skips it there, so must we.
+        self._freed: dict[str, int] = {}
+        self._step = 0
 
     def observe_step(
         self,
@@ -178,19 +220,54 @@ class StepAccountant:
         req_id_to_index: Mapping[str, int],
         invalid_spec_tokens: Mapping[str, int] | None = None,
         skip_ids: Iterable[str] | None = None,
+        req_ids: Sequence[str] | None = None,
     ) -> None:
         """Account one scheduler step, from the step's inputs only."""
-        requests = self._requests
-        if self._check_stale is None and requests:
+        self._step += 1
+        if self._check_stale is None and self._requests:
             self._check_stale = hasattr(
-                next(iter(requests.values())), "num_stale_output_tokens"
+                next(iter(self._requests.values())), "num_stale_output_tokens"
             )
-        check_stale = self._check_stale
         skip = set(skip_ids) if skip_ids else None
+        if spec_tokens:
+            if (
+                req_ids is None
+                or len(req_ids) < self.vectorise_from
+                or invalid_spec_tokens
+                or self._num_sampled != 1
+                or not sampled_token_ids
+                or not self._observe_vectorised(
+                    spec_tokens, sampled_token_ids, req_id_to_index, req_ids, skip
+                )
+            ):
+                self._observe_exact(
+                    spec_tokens, sampled_token_ids, req_id_to_index, invalid_spec_tokens, skip
+                )
+        empty = self._count_empty_proposals(
+            spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index
+        )
+        if empty:
+            self.totals.empty_proposals += empty
+        if self._freed:
+            self._prune_freed()
+        if self._step % _SWEEP_EVERY_STEPS == 0:
+            self._tallies.drop_missing(self._requests)
+
+    def _observe_exact(
+        self,
+        spec_tokens: Mapping[str, Sequence[int]],
+        sampled_token_ids: Sequence[Sequence[int]] | None,
+        req_id_to_index: Mapping[str, int],
+        invalid_spec_tokens: Mapping[str, int] | None,
+        skip: set[str] | None,
+    ) -> None:
+        """vLLM's loop, request by request."""
+        requests = self._requests
+        check_stale = self._check_stale
         totals = self.totals
         accepted_hist = totals.accepted_hist
         drafted_hist = totals.drafted_hist
-        tallies = self._tallies
+        add_tally = self._tallies.add_spilled
         num_sampled = self._num_sampled
         track_padding = self._track_padding
         finished_above = self._finished_above
@@ -222,28 +299,103 @@ class StepAccountant:
             num_accepted = len(generated) - num_sampled
             if num_accepted < 0:
                 num_accepted = 0
-            elif num_accepted > num_drafted:
-                num_accepted = num_drafted
             invalid = invalid_spec_tokens.get(req_id, 0) if invalid_spec_tokens else 0
             if track_padding and drafts[-1] < 0:
                 padding += drafts.count(-1) - invalid
             num_drafted -= invalid
-            try:
-                accepted_hist[num_accepted] += 1
-                drafted_hist[num_drafted] += 1
-            except IndexError:
+            if max(num_accepted, num_drafted) >= len(accepted_hist):
                 totals.grow(max(num_accepted, num_drafted) + 1)
-                accepted_hist[num_accepted] += 1
-                drafted_hist[num_drafted] += 1
-            tallies[req_id] = tallies.get(req_id, 0) + (num_drafted << _TALLY_SHIFT | num_accepted)
+            accepted_hist[num_accepted] += 1
+            drafted_hist[num_drafted] += 1
+            add_tally(req_id, num_drafted, num_accepted)
 
         if padding:
             totals.padding_tokens += padding
-        empty = self._count_empty_proposals(
-            spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index
-        )
-        if empty:
-            totals.empty_proposals += empty
+
+    def _observe_vectorised(
+        self,
+        spec_tokens: Mapping[str, Sequence[int]],
+        sampled_token_ids: Sequence[Sequence[int]],
+        row_of: Mapping[str, int],
+        rows: Sequence[str],
+        skip: set[str] | None,
+    ) -> bool:
+        """The common step, in row space. False (nothing counted): use the exact path."""
+        n = len(rows)
+        if (
+            len(sampled_token_ids) != n
+            or row_of.get(rows[0]) != 0
+            or row_of.get(rows[-1]) != n - 1
+        ):
+            return False  # outputs not in row order: not a layout this path knows
+        if self._stale_possible and self._check_stale and any(
+            map(_STALE_TOKENS, map(self._requests.get, spec_tokens, repeat(_GONE)))
+        ):
+            return False  # a preempted request's in-flight output: rare, exact path
+        freed = self._freed
+        if freed:
+            gone = [r for r in freed if r in spec_tokens]
+            if gone:
+                skip = skip | set(gone) if skip else set(gone)
+
+        k = self.totals.num_speculative_tokens
+        sampled = np.fromiter(map(len, sampled_token_ids), np.int64, n)
+        if len(spec_tokens) == n and sum(map(len, spec_tokens.values())) == n * k:
+            drafted: Any = k  # every row verified k drafts (the usual step)
+            verified = sampled > 0
+        else:
+            drafted = np.fromiter(map(len, map(spec_tokens.get, rows, repeat(()))), np.int64, n)
+            verified = (sampled > 0) & (drafted > 0)
+        if skip:
+            for req_id in skip:
+                row = row_of.get(req_id)
+                if row is not None and row < n:
+                    verified[row] = False
+        padding = self._padding(spec_tokens, row_of, verified) if self._track_padding else 0
+
+        accepted = sampled - 1
+        tallies = self._tallies
+        tallies.align(rows, row_of)
+        if verified.all():
+            accepted_counts = np.bincount(accepted)
+            tallies.accepted[:n] += accepted
+            tallies.drafted[:n] += drafted
+        else:
+            accepted_counts = np.bincount(accepted[verified])
+            tallies.accepted[:n] += np.where(verified, accepted, 0)
+            tallies.drafted[:n] += np.where(verified, drafted, 0)
+        totals = self.totals
+        if isinstance(drafted, int):
+            drafted_counts = {k: int(np.count_nonzero(verified))}
+        else:
+            drafted_counts = dict(enumerate(np.bincount(drafted[verified]).tolist()))
+        _add_counts(totals, totals.accepted_hist, enumerate(accepted_counts.tolist()))
+        _add_counts(totals, totals.drafted_hist, drafted_counts.items())
+        if padding:
+            totals.padding_tokens += padding
+        return True
+
+    @staticmethod
+    def _padding(
+        spec_tokens: Mapping[str, Sequence[int]], row_of: Mapping[str, int], verified: Any
+    ) -> int:
+        """-1 sentinels in verified drafts (they sit at the end of a draft)."""
+        try:
+            if min(map(_LAST, spec_tokens.values())) >= 0:
+                return 0
+        except IndexError:
+            pass  # an empty draft list: look at each one
+        padding = 0
+        for req_id, drafts in spec_tokens.items():
+            if drafts and drafts[-1] < 0 and verified[row_of[req_id]]:
+                padding += drafts.count(-1)
+        return padding
+
+    def _prune_freed(self) -> None:
+        oldest = self._step - _FREED_KEEP_STEPS
+        freed = self._freed
+        for req_id in [r for r, step in freed.items() if step < oldest]:
+            del freed[req_id]
 
     def _count_empty_proposals(
         self,
@@ -275,10 +427,21 @@ class StepAccountant:
 
     def observe_freed(self, request_id: str) -> None:
         """Record a finished (or aborted) request's acceptance rate."""
-        tally = self._tallies.pop(request_id, 0)
-        drafted, accepted = tally >> _TALLY_SHIFT, tally & _TALLY_MASK
+        drafted, accepted = self._tallies.take(request_id)
+        self._freed[request_id] = self._step
         if drafted > 0:
             self.totals.observe_request(drafted, accepted)
 
     def forget_requests(self) -> None:
         self._tallies.clear()
+        self._freed.clear()
+
+
+def _add_counts(
+    totals: SpecDecodeTotals, hist: list[int], counts: Iterable[tuple[int, int]]
+) -> None:
+    for value, count in counts:
+        if count:
+            if value >= len(hist):
+                totals.grow(value + 1)
+            hist[value] += count

@@ -11,7 +11,8 @@ Target: ``vllm.v1.core.sched.scheduler.Scheduler`` (subclasses such as
   statistics code reads at the top of its loop. The host's result is
   returned untouched.
 * ``_free_request``: every finished or aborted request passes here; its
-  tally becomes one per-request acceptance-rate value.
+  tally becomes one per-request acceptance-rate value, and its id is kept a
+  few steps so that steps already in flight skip it as vLLM does.
 * ``shutdown``: after the host's, flush the metrics so a short run's totals
   reach the collector.
 
@@ -28,6 +29,7 @@ logging every step.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from typing import Any
 
@@ -57,6 +59,9 @@ def _attach(scheduler: Any) -> StepAccountant | None:
         runtime = _runtime.get_or_create(info)
         if runtime is not None:
             accountant = runtime.accountant_for(scheduler, info)
+            if "_free_request" not in _wrapped_methods:
+                # The vectorised path learns of freed requests from this hook.
+                accountant.vectorise_from = sys.maxsize
     scheduler.__dict__[_ACCOUNTANT_ATTR] = (_runtime.generation(), accountant)
     return accountant
 

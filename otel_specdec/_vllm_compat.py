@@ -59,6 +59,9 @@ class EngineInfo:
     data_parallel_rank: int
     num_sampled_per_step: int
     async_scheduling: bool
+    # A step can be in flight while another is scheduled (async scheduling
+    # or pipeline parallelism), so a preempted request's output can be stale.
+    overlapping_steps: bool
 
     @property
     def attributes(self) -> dict[str, Any]:
@@ -134,13 +137,16 @@ def engine_info(scheduler: Any) -> EngineInfo | None:
     if k <= 0:
         return None
     parallel = vllm_config.parallel_config
+    is_async = _is_async(scheduler)
     return EngineInfo(
         model=_served_model_name(vllm_config.model_config),
         method=str(getattr(spec, "method", None) or "unknown"),
         num_speculative_tokens=k,
         data_parallel_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
         num_sampled_per_step=int(getattr(scheduler, "num_sampled_tokens_per_step", 1)),
-        async_scheduling=_is_async(scheduler),
+        async_scheduling=is_async,
+        overlapping_steps=is_async
+        or int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1,
     )
 
 
@@ -182,7 +188,7 @@ def failed_kv_load_ids(model_runner_output: Any) -> set[str] | None:
 
 def step_inputs(
     scheduler_output: Any, model_runner_output: Any
-) -> tuple[Any, Any, Any, Any, Any, Any]:
+) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
     """The arguments of ``StepAccountant.observe_step`` for one call."""
     return (
         scheduler_output.scheduled_spec_decode_tokens,
@@ -191,4 +197,6 @@ def step_inputs(
         model_runner_output.req_id_to_index,
         invalid_spec_tokens(scheduler_output),
         failed_kv_load_ids(model_runner_output),
+        # Without the row order the exact path is used.
+        getattr(model_runner_output, "req_ids", None),
     )

@@ -3,6 +3,8 @@
 Each test drives vLLM's own ``Scheduler`` (see ``scheduler_harness``) and
 compares what the plugin exported with vLLM's own ``SpecDecodingStats`` for
 the same steps, and with expectations computed from the test's own plan.
+Every test runs twice: through the exact (per-request) accounting path and
+through the vectorised one.
 """
 
 from __future__ import annotations
@@ -47,8 +49,19 @@ def assert_matches_vllm(harness: SchedulerHarness, data) -> None:
     assert length.sum == vllm.drafts + vllm.accepted_tokens
 
 
+@pytest.fixture(params=["exact", "vectorised"])
+def accounting_path(request, monkeypatch) -> str:
+    """Run each test through both accounting paths (they must agree with vLLM)."""
+    from otel_specdec import _accounting
+
+    monkeypatch.setattr(
+        _accounting, "VECTORISE_FROM_BATCH", 1 if request.param == "vectorised" else 10**9
+    )
+    return request.param
+
+
 @pytest.fixture
-def harness(tiny_model, reader) -> SchedulerHarness:
+def harness(tiny_model, reader, accounting_path) -> SchedulerHarness:
     return SchedulerHarness(build_scheduler(tiny_model, K))
 
 
