@@ -1,68 +1,130 @@
-"""Step cost: vLLM's real ``Scheduler.update_from_output`` with and without
-the plugin, side by side in one run.
+"""(a) Step cost: vLLM's real ``Scheduler.update_from_output`` with and without
+the plugin, side by side in one run, against vLLM's own statistics path.
 
-For each batch size and k, a real scheduler (tiny model config, hand-made
-model outputs with a mix of full, partial and zero acceptance) runs steps;
-even steps call the wrapped method (plugin accounting on), odd steps call
-the unwrapped original (``__wrapped__``), so both see the same kind of
-steps under the same machine noise. Reported: median time per step of each,
-the plugin's added time, and that as a percentage of the unwrapped call.
+For each batch size and k, a real vLLM scheduler (tiny model config) runs
+steps with hand-made model outputs: every request's accepted prefix varies by
+request and step over 0..k (full, partial and zero acceptance), requests
+finish after 64 to 192 tokens and new ones arrive to keep the batch full, so
+rows change owner and new requests prefill in the same steps, as in serving.
 
-    .venv/bin/python bench/step_cost.py [--batches 1,64,256,1024] [--ks 1,4,8]
+Steps are timed in ABBA order (A: the wrapped method, the plugin's
+accounting on; B: the unwrapped original, ``__wrapped__``), so both see the
+same kinds of steps under the same machine noise. On each B step the anchor
+is timed too: vLLM's own speculative-decoding statistics path for that
+step's requests (``Scheduler.make_spec_decoding_stats`` per request, as its
+loop calls it when stats logging is on, plus ``SpecDecodingProm.observe``,
+its Prometheus side). Reported: medians per step.
+
+    .venv/bin/python bench/step_cost.py [--batches 1,64,256,1024] [--ks 1,4,8] [--steps 200]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import random
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 
-def measure(model_dir: str, batch: int, k: int, steps: int) -> tuple[float, float]:
+def _prometheus_side(scheduler: Any) -> Any:
+    """vLLM's own Prometheus counters for speculative decoding, on a private registry."""
+    import prometheus_client
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm
+
+    class PrivateProm(SpecDecodingProm):
+        _counter_cls = functools.partial(
+            prometheus_client.Counter, registry=prometheus_client.CollectorRegistry()
+        )
+
+    return PrivateProm(scheduler.vllm_config.speculative_config, ["engine"], {0: ["0"]})
+
+
+def _anchor_inputs(harness: Any, so: Any, mro: Any) -> list[tuple[int, int, str]]:
+    """(drafted, accepted, req_id) for each request vLLM's stats path would see."""
+    out = []
+    for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+        sampled = mro.sampled_token_ids[mro.req_id_to_index[req_id]]
+        if drafts and sampled and req_id in harness.scheduler.requests:
+            out.append((len(drafts), len(sampled) - 1, req_id))
+    return out
+
+
+def _time_anchor(scheduler: Any, prom: Any, so: Any, items: list[tuple[int, int, str]]) -> float:
+    invalid = getattr(so, "num_invalid_spec_tokens", None)
+    scheduler.log_stats = True  # make_spec_decoding_stats is a no-op otherwise
+    try:
+        t0 = time.perf_counter()
+        stats = None
+        for drafted, accepted, req_id in items:
+            stats = scheduler.make_spec_decoding_stats(stats, drafted, accepted, invalid, req_id)
+        if stats is not None:
+            prom.observe(stats)
+        return time.perf_counter() - t0
+    finally:
+        scheduler.log_stats = False
+
+
+def measure(model_dir: str, batch: int, k: int, steps: int) -> dict[str, float]:
     from scheduler_harness import SchedulerHarness, build_scheduler
 
+    rng = random.Random(batch * 100 + k)
     harness = SchedulerHarness(build_scheduler(model_dir, k, log_stats=False,
                                                max_num_seqs=max(batch, 1)))
-    harness.add_requests(batch, max_tokens=10_000)
+    scheduler = harness.scheduler
+    prom = _prometheus_side(scheduler)
     drafts = list(range(20, 20 + k))
+    step_no = [0]
 
     def accept(req_id: str, d: list[int]) -> int:
-        # full, partial and zero acceptance, varying by request and step
-        return (hash(req_id) + harness_step[0]) % (len(d) + 1)
+        return (hash(req_id) + step_no[0]) % (len(d) + 1)
 
-    harness_step = [0]
-    harness.step(accept, lambda r: drafts)  # prefill
-    update = type(harness.scheduler).update_from_output
-    original = update.__wrapped__
-    wrapped_times: list[float] = []
-    plain_times: list[float] = []
+    def top_up() -> None:
+        for _ in range(batch - len(scheduler.requests)):
+            harness.add_requests(1, max_tokens=rng.randint(64, 192))
+
+    top_up()
+    for _ in range(3):  # prefill and first drafts
+        harness.step(accept, lambda r: drafts)
+    original = type(scheduler).update_from_output.__wrapped__
+    wrapped_t: list[float] = []
+    plain_t: list[float] = []
+    anchor_t: list[float] = []
     for step in range(2 * steps):
-        harness_step[0] = step
+        step_no[0] = step
+        top_up()
         so = harness.schedule()
         mro = harness.model_output(so, accept)
-        t0 = time.perf_counter()
-        if step % 2 == 0:
-            harness.scheduler.update_from_output(so, mro)
-            wrapped_times.append(time.perf_counter() - t0)
+        if step % 4 in (0, 3):
+            t0 = time.perf_counter()
+            scheduler.update_from_output(so, mro)
+            wrapped_t.append(time.perf_counter() - t0)
         else:
-            original(harness.scheduler, so, mro)
-            plain_times.append(time.perf_counter() - t0)
+            anchor_t.append(_time_anchor(scheduler, prom, so, _anchor_inputs(harness, so, mro)))
+            t0 = time.perf_counter()
+            original(scheduler, so, mro)
+            plain_t.append(time.perf_counter() - t0)
         harness.propose(so, lambda r: drafts)
-    return statistics.median(wrapped_times), statistics.median(plain_times)
+    return {
+        "plain": statistics.median(plain_t),
+        "wrapped": statistics.median(wrapped_t),
+        "anchor": statistics.median(anchor_t),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="1,64,256,1024")
     parser.add_argument("--ks", default="1,4,8")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
 
     import logging
@@ -78,13 +140,14 @@ def main() -> None:
     SpecDecodeInstrumentor().instrument(
         meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]))
     print(f"{'batch':>6} {'k':>3} {'unwrapped µs':>13} {'with plugin µs':>15} "
-          f"{'added µs':>9} {'added %':>8}")
+          f"{'added µs':>9} {'added %':>8} {'vLLM stats µs':>14} {'added/vLLM':>11}")
     for batch in [int(b) for b in args.batches.split(",")]:
         for k in [int(x) for x in args.ks.split(",")]:
-            wrapped, plain = measure(model_dir, batch, k, args.steps)
-            added = wrapped - plain
-            print(f"{batch:>6} {k:>3} {plain * 1e6:>13.1f} {wrapped * 1e6:>15.1f} "
-                  f"{added * 1e6:>9.1f} {100 * added / plain:>7.1f}%", flush=True)
+            r = measure(model_dir, batch, k, args.steps)
+            added = r["wrapped"] - r["plain"]
+            print(f"{batch:>6} {k:>3} {r['plain'] * 1e6:>13.1f} {r['wrapped'] * 1e6:>15.1f} "
+                  f"{added * 1e6:>9.1f} {100 * added / r['plain']:>7.1f}% "
+                  f"{r['anchor'] * 1e6:>14.1f} {added / r['anchor']:>11.2f}", flush=True)
 
 
 if __name__ == "__main__":

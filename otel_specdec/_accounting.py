@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from itertools import repeat
+from collections import _count_elements  # type: ignore[attr-defined]
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import compress, repeat
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
-
-import numpy as np
 
 from otel_specdec._instruments import REQUEST_RATE_BOUNDS
 from otel_specdec._row_tallies import RowTallies
@@ -162,9 +161,9 @@ class StepAccountant:
     follows vLLM's own loop request by request; it serves small batches and
     every unusual step (grammar-invalidated drafts, failed KV loads, stale
     output after a preemption, several sampled tokens per step). The
-    vectorised path serves the common step of a large batch: it extracts the
-    draft and output lengths in C-level passes and counts them with numpy,
-    so its cost per request is a few tens of nanoseconds.
+    vectorised path serves the common step of a large batch: it works on the
+    batch's rows with C-level builtins only (``map``, ``sum``, counting), so
+    its cost per request is a few tens of nanoseconds.
     """
 
     __slots__ = (
@@ -192,11 +191,11 @@ class StepAccountant:
         finished_above: int | None = None,
     ) -> None:
         self.totals = totals
-        # Batches smaller than this take the exact path (numpy's fixed cost
-        # per call outweighs the loop there).
+        # Batches smaller than this take the exact path (the vectorised
+        # path's fixed cost per step outweighs the loop there).
         self.vectorise_from = VECTORISE_FROM_BATCH
         self._requests = requests
-        self._tallies = RowTallies()
+        self._tallies = RowTallies(totals.num_speculative_tokens)
         self._num_sampled = num_sampled_per_step
         # Under async scheduling every scheduled draft is a -1 placeholder,
         # so padding cannot be told apart there.
@@ -320,7 +319,12 @@ class StepAccountant:
         rows: Sequence[str],
         skip: set[str] | None,
     ) -> bool:
-        """The common step, in row space. False (nothing counted): use the exact path."""
+        """The common step, in row space. False (nothing counted): use the exact path.
+
+        Each pass over the batch is one C-level builtin (``map``, ``sum``,
+        ``compress``, counting); Python-level work is spent only on the few
+        rows that need a correction.
+        """
         n = len(rows)
         if (
             len(sampled_token_ids) != n
@@ -328,48 +332,58 @@ class StepAccountant:
             or row_of.get(rows[-1]) != n - 1
         ):
             return False  # outputs not in row order: not a layout this path knows
+        requests = self._requests
         if self._stale_possible and self._check_stale and any(
-            map(_STALE_TOKENS, map(self._requests.get, spec_tokens, repeat(_GONE)))
+            map(_STALE_TOKENS, map(requests.get, spec_tokens, repeat(_GONE)))
         ):
             return False  # a preempted request's in-flight output: rare, exact path
-        freed = self._freed
-        if freed:
-            gone = [r for r in freed if r in spec_tokens]
+        if self._freed:
+            gone = [r for r in self._freed if r in spec_tokens]
             if gone:
-                skip = skip | set(gone) if skip else set(gone)
+                skip = skip.union(gone) if skip else set(gone)
 
-        k = self.totals.num_speculative_tokens
-        sampled = np.fromiter(map(len, sampled_token_ids), np.int64, n)
-        if len(spec_tokens) == n and sum(map(len, spec_tokens.values())) == n * k:
-            drafted: Any = k  # every row verified k drafts (the usual step)
-            verified = sampled > 0
-        else:
-            drafted = np.fromiter(map(len, map(spec_tokens.get, rows, repeat(()))), np.int64, n)
-            verified = (sampled > 0) & (drafted > 0)
+        totals = self.totals
+        k = totals.num_speculative_tokens
+        rows = rows if isinstance(rows, list) else list(rows)
+        sampled = list(map(len, sampled_token_ids))
+        full = len(spec_tokens) == n and sum(map(len, spec_tokens.values())) == n * k
+        drafted = None if full else list(map(len, map(spec_tokens.get, rows, repeat(()))))
+        # Rows that are not verified drafts, with their sampled and drafted counts:
+        # rows with no output, and skipped rows (a request freed or failed).
+        unverified: dict[int, tuple[int, int]] = {}
+        if 0 in sampled:
+            for row in _indices(sampled, 0):
+                unverified[row] = (0, k if drafted is None else drafted[row])
         if skip:
             for req_id in skip:
                 row = row_of.get(req_id)
-                if row is not None and row < n:
-                    verified[row] = False
-        padding = self._padding(spec_tokens, row_of, verified) if self._track_padding else 0
+                if row is not None and row < n and row not in unverified:
+                    unverified[row] = (sampled[row], k if drafted is None else drafted[row])
+        padding = self._padding(spec_tokens, row_of, unverified) if self._track_padding else 0
 
-        accepted = sampled - 1
+        accepted_counts: dict[int, int] = {}
+        if drafted is None:
+            _count_elements(accepted_counts, sampled)
+            drafted_counts = {k: n}
+        else:
+            _count_elements(accepted_counts, compress(sampled, drafted))
+            drafted_counts = {}
+            _count_elements(drafted_counts, compress(drafted, sampled))
         tallies = self._tallies
         tallies.align(rows, row_of)
-        if verified.all():
-            accepted_counts = np.bincount(accepted)
-            tallies.accepted[:n] += accepted
-            tallies.drafted[:n] += drafted
-        else:
-            accepted_counts = np.bincount(accepted[verified])
-            tallies.accepted[:n] += np.where(verified, accepted, 0)
-            tallies.drafted[:n] += np.where(verified, drafted, 0)
-        totals = self.totals
-        if isinstance(drafted, int):
-            drafted_counts = {k: int(np.count_nonzero(verified))}
-        else:
-            drafted_counts = dict(enumerate(np.bincount(drafted[verified]).tolist()))
-        _add_counts(totals, totals.accepted_hist, enumerate(accepted_counts.tolist()))
+        tallies.add_step(sampled, drafted)
+        for row, (row_sampled, row_drafted) in unverified.items():
+            # Undo this step's contribution: the row was not a verified draft.
+            tallies.correct(row, 1 - row_sampled, -row_drafted)
+            if row_drafted and row_sampled:
+                accepted_counts[row_sampled] -= 1
+                drafted_counts[row_drafted] -= 1
+            elif row_drafted and drafted is None:
+                drafted_counts[k] -= 1
+        accepted_counts.pop(0, None)
+        drafted_counts.pop(0, None)
+        # Sampled s tokens on a draft: s - 1 accepted.
+        _add_counts(totals, totals.accepted_hist, [(s - 1, c) for s, c in accepted_counts.items()])
         _add_counts(totals, totals.drafted_hist, drafted_counts.items())
         if padding:
             totals.padding_tokens += padding
@@ -377,7 +391,9 @@ class StepAccountant:
 
     @staticmethod
     def _padding(
-        spec_tokens: Mapping[str, Sequence[int]], row_of: Mapping[str, int], verified: Any
+        spec_tokens: Mapping[str, Sequence[int]],
+        row_of: Mapping[str, int],
+        unverified: Mapping[int, Any],
     ) -> int:
         """-1 sentinels in verified drafts (they sit at the end of a draft)."""
         try:
@@ -387,7 +403,7 @@ class StepAccountant:
             pass  # an empty draft list: look at each one
         padding = 0
         for req_id, drafts in spec_tokens.items():
-            if drafts and drafts[-1] < 0 and verified[row_of[req_id]]:
+            if drafts and drafts[-1] < 0 and row_of.get(req_id) not in unverified:
                 padding += drafts.count(-1)
         return padding
 
@@ -435,6 +451,18 @@ class StepAccountant:
     def forget_requests(self) -> None:
         self._tallies.clear()
         self._freed.clear()
+
+
+def _indices(values: list[int], value: int) -> Iterator[int]:
+    """Positions of ``value`` in ``values`` (C-level search between hits)."""
+    start = 0
+    try:
+        while True:
+            start = values.index(value, start)
+            yield start
+            start += 1
+    except ValueError:
+        return
 
 
 def _add_counts(

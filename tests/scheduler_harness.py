@@ -11,6 +11,7 @@ unit tests and by ``bench/``.
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +43,8 @@ class VllmSpecStats:
 
 
 def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: bool = True,
-                    max_num_seqs: int = 1024, method: str = "ngram") -> Any:
+                    max_num_seqs: int = 1024, method: str = "ngram",
+                    per_request_metrics: bool = False) -> Any:
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -56,6 +58,8 @@ def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: b
         model=model_dir, speculative_config=spec, max_model_len=512, dtype="float32",
         enforce_eager=True, gpu_memory_utilization=0.15, max_num_seqs=max_num_seqs,
         enable_prefix_caching=False,
+        # vLLM's own per-request counts, reported with each finished request.
+        per_request_spec_decode_metrics="summary" if per_request_metrics else "none",
         max_num_batched_tokens=max(8192, max_num_seqs * (num_speculative_tokens + 1) * 2),
     )
     vllm_config = args.create_engine_config()
@@ -73,9 +77,23 @@ def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: b
 
 
 class SchedulerHarness:
-    def __init__(self, scheduler: Any) -> None:
+    """Steps a real scheduler; ``row_order`` is the model runner's batch layout.
+
+    ``"persistent"`` keeps each request in its row as vLLM's ``InputBatch``
+    does (a finished request's row is taken by a new one, or by the last row
+    when the batch condenses); ``"schedule"`` lists rows in scheduling order
+    (rows shift whenever a request finishes); ``"shuffled"`` permutes them
+    every step.
+    """
+
+    def __init__(self, scheduler: Any, row_order: str = "persistent") -> None:
         self.scheduler = scheduler
         self.vllm = VllmSpecStats()
+        # req_id -> (drafted, accepted) from vLLM's per-request metrics, when on.
+        self.vllm_per_request: dict[str, tuple[int, int]] = {}
+        self.row_order = row_order
+        self._rows: list[str | None] = []
+        self._shuffle = random.Random(0)
         self._ids = itertools.count()
 
     def add_requests(self, n: int, *, prompt_len: int = 8, max_tokens: int = 400) -> list[str]:
@@ -98,7 +116,7 @@ class SchedulerHarness:
         """What a model runner would return for ``scheduler_output``."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        req_ids = list(scheduler_output.num_scheduled_tokens)
+        req_ids = self._layout(list(scheduler_output.num_scheduled_tokens))
         sampled = []
         for req_id in req_ids:
             request = self.scheduler.requests.get(req_id)  # None: aborted meanwhile
@@ -114,12 +132,41 @@ class SchedulerHarness:
             sampled_token_ids=sampled,
         )
 
+    def _layout(self, scheduled: list[str]) -> list[str]:
+        if self.row_order == "schedule":
+            return scheduled
+        if self.row_order == "shuffled":
+            self._shuffle.shuffle(scheduled)
+            return scheduled
+        live = set(scheduled)
+        rows = [r if r in live else None for r in self._rows]
+        placed = set(rows)
+        for req_id in scheduled:
+            if req_id not in placed:
+                if None in rows:
+                    rows[rows.index(None)] = req_id
+                else:
+                    rows.append(req_id)
+        while None in rows:  # condense: the last row fills the first hole
+            last = rows.pop()
+            if last is not None:
+                rows[rows.index(None)] = last
+        self._rows = rows
+        return list(rows)
+
     def update(self, scheduler_output: Any, model_output: Any) -> Any:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         for engine_outputs in outputs.values():
             stats = engine_outputs.scheduler_stats
             if stats is not None and stats.spec_decoding_stats is not None:
                 self.vllm.add(stats.spec_decoding_stats)
+            for output in engine_outputs.outputs:
+                metrics = getattr(output, "spec_decode_metrics", None)
+                if metrics is not None and output.finish_reason is not None:
+                    accepted = sum(j * n for j, n in enumerate(metrics.histogram))
+                    self.vllm_per_request[output.request_id] = (
+                        metrics.num_draft_tokens, accepted
+                    )
         return outputs
 
     def propose(self, scheduler_output: Any, propose: ProposeFn) -> None:

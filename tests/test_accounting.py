@@ -222,3 +222,43 @@ def test_common_attributes_and_no_request_data(harness, reader):
     from otel_specdec import __version__
 
     assert scopes == {"otel_specdec": __version__}
+
+
+@pytest.mark.parametrize("row_order", ["persistent", "schedule", "shuffled"])
+def test_per_request_rates_match_vllm_under_churn(tiny_model, reader, accounting_path,
+                                                  row_order):
+    # Requests arrive and finish throughout, so batch rows change owner; the
+    # per-request rates equal vLLM's own per-request counts, whatever the
+    # model runner's row layout.
+    import random
+
+    harness = SchedulerHarness(
+        build_scheduler(tiny_model, K, per_request_metrics=True), row_order=row_order
+    )
+    rng = random.Random(7)
+    step_no = [0]
+
+    def accept(req_id: str, d: list[int]) -> int:
+        return (hash(req_id) * 7 + step_no[0]) % (len(d) + 1)
+
+    for step in range(120):
+        step_no[0] = step
+        if step < 80 and len(harness.scheduler.requests) < 40:
+            for _ in range(rng.randint(1, 6)):
+                harness.add_requests(1, max_tokens=rng.randint(4, 40))
+        harness.step(accept, full_proposal)
+    assert not harness.scheduler.requests
+    data = reader.get_metrics_data()
+    assert_matches_vllm(harness, data)
+    rates = [a / d for d, a in harness.vllm_per_request.values() if d]
+    assert len(rates) > 60
+    point = histogram(data, REQ_RATE)
+    assert point.count == len(rates)
+    assert point.sum == pytest.approx(sum(rates))
+    assert (point.min, point.max) == (min(rates), max(rates))
+    import bisect
+
+    expected = [0] * (len(point.explicit_bounds) + 1)
+    for rate in rates:
+        expected[bisect.bisect_left(point.explicit_bounds, rate)] += 1
+    assert list(point.bucket_counts) == expected
