@@ -33,7 +33,7 @@ import bisect
 import time
 from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import compress, repeat
+from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
@@ -45,9 +45,6 @@ __all__ = ["SpecDecodeTotals", "StepAccountant", "TotalsSnapshot"]
 Attributes = Mapping[str, Any]
 
 VECTORISE_FROM_BATCH = 32
-# A freed request may still appear in steps already in flight (async
-# scheduling, pipeline parallelism); its id is remembered this many steps.
-_FREED_KEEP_STEPS = 16
 # Spilled tallies of requests that vanished without being freed are swept.
 _SWEEP_EVERY_STEPS = 4096
 
@@ -177,6 +174,7 @@ class StepAccountant:
         "_check_stale",
         "_finished_above",
         "_freed",
+        "_freed_keep_steps",
         "_step",
     )
 
@@ -187,7 +185,7 @@ class StepAccountant:
         *,
         num_sampled_per_step: int = 1,
         track_padding: bool = True,
-        stale_possible: bool = True,
+        steps_in_flight: int = 1,
         finished_above: int | None = None,
     ) -> None:
         self.totals = totals
@@ -202,7 +200,10 @@ class StepAccountant:
         self._track_padding = track_padding
         # Stale output exists only where a step can be in flight when a
         # request is preempted (async scheduling, pipeline parallelism).
-        self._stale_possible = stale_possible
+        self._stale_possible = steps_in_flight > 0
+        # A freed request's id is remembered while steps scheduled before it
+        # was freed can still arrive (one more step as a margin).
+        self._freed_keep_steps = steps_in_flight + 1
         self._check_stale: bool | None = None
         # Statuses above this are finished (see _vllm_compat); None: ask the request.
         self._finished_above = finished_above
@@ -362,24 +363,28 @@ class StepAccountant:
         padding = self._padding(spec_tokens, row_of, unverified) if self._track_padding else 0
 
         accepted_counts: dict[int, int] = {}
+        _count_elements(accepted_counts, sampled)
         if drafted is None:
-            _count_elements(accepted_counts, sampled)
             drafted_counts = {k: n}
         else:
-            _count_elements(accepted_counts, compress(sampled, drafted))
             drafted_counts = {}
-            _count_elements(drafted_counts, compress(drafted, sampled))
+            _count_elements(drafted_counts, drafted)
+            # Rows without a draft sampled one token (none if prefilling): not drafts.
+            no_draft = drafted.count(0) - sum(
+                1 for row, (s, d) in unverified.items() if not s and not d
+            )
+            if no_draft:
+                accepted_counts[1] -= no_draft
         tallies = self._tallies
         tallies.align(rows, row_of)
         tallies.add_step(sampled, drafted)
         for row, (row_sampled, row_drafted) in unverified.items():
             # Undo this step's contribution: the row was not a verified draft.
             tallies.correct(row, 1 - row_sampled, -row_drafted)
-            if row_drafted and row_sampled:
-                accepted_counts[row_sampled] -= 1
+            if row_drafted:
                 drafted_counts[row_drafted] -= 1
-            elif row_drafted and drafted is None:
-                drafted_counts[k] -= 1
+                if row_sampled:
+                    accepted_counts[row_sampled] -= 1
         accepted_counts.pop(0, None)
         drafted_counts.pop(0, None)
         # Sampled s tokens on a draft: s - 1 accepted.
@@ -408,7 +413,7 @@ class StepAccountant:
         return padding
 
     def _prune_freed(self) -> None:
-        oldest = self._step - _FREED_KEEP_STEPS
+        oldest = self._step - self._freed_keep_steps
         freed = self._freed
         for req_id in [r for r, step in freed.items() if step < oldest]:
             del freed[req_id]

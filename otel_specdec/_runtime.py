@@ -56,7 +56,7 @@ class Runtime:
             scheduler.requests,
             num_sampled_per_step=info.num_sampled_per_step,
             track_padding=not info.async_scheduling,
-            stale_possible=info.overlapping_steps,
+            steps_in_flight=info.steps_in_flight,
             finished_above=_vllm_compat.finished_status_threshold(),
         )
 

@@ -59,9 +59,10 @@ class EngineInfo:
     data_parallel_rank: int
     num_sampled_per_step: int
     async_scheduling: bool
-    # A step can be in flight while another is scheduled (async scheduling
-    # or pipeline parallelism), so a preempted request's output can be stale.
-    overlapping_steps: bool
+    # Steps that can be in flight while another is updated: 1 with async
+    # scheduling, pipeline_parallel_size - 1 more with pipeline parallelism.
+    # Then a freed or preempted request can still be in a step's output.
+    steps_in_flight: int
 
     @property
     def attributes(self) -> dict[str, Any]:
@@ -145,8 +146,8 @@ def engine_info(scheduler: Any) -> EngineInfo | None:
         data_parallel_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
         num_sampled_per_step=int(getattr(scheduler, "num_sampled_tokens_per_step", 1)),
         async_scheduling=is_async,
-        overlapping_steps=is_async
-        or int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1,
+        steps_in_flight=int(is_async)
+        + int(getattr(parallel, "pipeline_parallel_size", 1) or 1) - 1,
     )
 
 
