@@ -59,6 +59,30 @@ def _plugin_state(llm: Any) -> dict[str, int]:
     }
 
 
+def _timed_generate(llm: Any, prompts: list[str], params: Any) -> dict[str, float]:
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+
+
+def _toggle_rounds(llm: Any, prompts: list[str], params: Any, rounds: int) -> list[dict]:
+    """Same engine, the plugin's patches on and off in turn (ABBA order)."""
+    from otel_specdec import SpecDecodeInstrumentor
+
+    instrumentor = SpecDecodeInstrumentor()
+    out = []
+    for i in range(rounds):
+        for on in ((True, False) if i % 2 == 0 else (False, True)):
+            if on and not instrumentor.is_instrumented_by_opentelemetry:
+                instrumentor.instrument(skip_dep_check=True)
+            elif not on and instrumentor.is_instrumented_by_opentelemetry:
+                instrumentor.uninstrument()
+            out.append({"plugin": on, **_timed_generate(llm, prompts, params)})
+    return out
+
+
 def main() -> None:
     config: dict[str, Any] = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
@@ -76,11 +100,9 @@ def main() -> None:
     llm.generate(prompts[:16], params, use_tqdm=False)  # warm-up
     result: dict[str, Any] = {"plugin_loaded": os.environ.get("VLLM_PLUGINS") != ""}
     if config["mode"] == "throughput":
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        result.update(tokens=tokens, seconds=elapsed, tokens_per_s=tokens / elapsed)
+        result.update(_timed_generate(llm, prompts, params))
+    elif config["mode"] == "toggle":
+        result["rounds"] = _toggle_rounds(llm, prompts, params, config["rounds"])
     else:
         rss = []
         for _ in range(config["waves"]):

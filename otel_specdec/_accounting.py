@@ -33,7 +33,7 @@ import bisect
 import time
 from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import repeat
+from itertools import compress, filterfalse, repeat
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
@@ -49,13 +49,18 @@ VECTORISE_FROM_BATCH = 32
 _SWEEP_EVERY_STEPS = 4096
 
 _LAST = itemgetter(-1)
+_IS_ONE = (1).__eq__
 _STALE_TOKENS = attrgetter("num_stale_output_tokens")
+_STATUS = attrgetter("status")
+_NUM_OUTPUT_TOKENS = attrgetter("num_output_tokens")
 
 
 class _Gone:
     """Stands in for a request no longer in the scheduler."""
 
     num_stale_output_tokens = 0
+    num_output_tokens = 0
+    status = 1 << 30  # above every status: counts as finished
 
 
 _GONE = _Gone()
@@ -432,17 +437,27 @@ class StepAccountant:
         proposed nothing (an ngram miss, for instance). Single-token prefill
         chunks have no output yet and are not counted.
         """
-        if not sampled_token_ids or not list(num_scheduled_tokens.values()).count(1):
+        if not sampled_token_ids:
+            return 0
+        # C-level passes: requests scheduled for one token and no draft.
+        ones = list(compress(num_scheduled_tokens, map(_IS_ONE, num_scheduled_tokens.values())))
+        candidates = list(filterfalse(spec_tokens.__contains__, ones)) if spec_tokens else ones
+        if not candidates:
             return 0
         requests = self._requests
+        found = list(map(requests.get, candidates, repeat(_GONE)))
+        generated = list(map(len, map(
+            sampled_token_ids.__getitem__, map(req_id_to_index.__getitem__, candidates)
+        )))
+        if self._finished_above is not None and max(map(_STATUS, found)) <= self._finished_above:
+            outputs = list(map(_NUM_OUTPUT_TOKENS, found))
+            if 0 not in outputs and 0 not in generated:
+                return len(candidates)  # all decoding, all verified one token
         empty = 0
-        for req_id in [r for r, n in num_scheduled_tokens.items() if n == 1]:
-            if req_id in spec_tokens:
+        for request, num_generated in zip(found, generated, strict=True):
+            if request is _GONE or request.is_finished() or not request.num_output_tokens:
                 continue
-            request = requests.get(req_id)
-            if request is None or request.is_finished() or not request.num_output_tokens:
-                continue
-            if sampled_token_ids[req_id_to_index[req_id]]:
+            if num_generated:
                 empty += 1
         return empty
 
