@@ -180,6 +180,7 @@ class StepAccountant:
         "_finished_above",
         "_freed",
         "_freed_keep_steps",
+        "_prev_sampled",
         "_step",
     )
 
@@ -215,6 +216,8 @@ class StepAccountant:
         # req_id -> step at which it was freed. A freed request can still be in
         # a step that was in flight; vLLM skips it there, so must we.
         self._freed: dict[str, int] = {}
+        # Sampled tokens per row in the previous step, when it was vectorised.
+        self._prev_sampled: list[int] | None = None
         self._step = 0
 
     def observe_step(
@@ -234,23 +237,28 @@ class StepAccountant:
                 next(iter(self._requests.values())), "num_stale_output_tokens"
             )
         skip = set(skip_ids) if skip_ids else None
-        if spec_tokens:
-            if (
-                req_ids is None
-                or len(req_ids) < self.vectorise_from
-                or invalid_spec_tokens
-                or self._num_sampled != 1
-                or not sampled_token_ids
-                or not self._observe_vectorised(
-                    spec_tokens, sampled_token_ids, req_id_to_index, req_ids, skip
-                )
-            ):
+        empty = None
+        if (
+            req_ids is not None
+            and len(req_ids) >= self.vectorise_from
+            and not invalid_spec_tokens
+            and self._num_sampled == 1
+            and sampled_token_ids
+        ):
+            empty = self._observe_vectorised(
+                spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index,
+                req_ids, skip,
+            )
+        if empty is None:
+            self._prev_sampled = None
+            if spec_tokens:
                 self._observe_exact(
                     spec_tokens, sampled_token_ids, req_id_to_index, invalid_spec_tokens, skip
                 )
-        empty = self._count_empty_proposals(
-            spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index
-        )
+        if empty is None or empty < 0:
+            empty = self._count_empty_proposals(
+                spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index
+            )
         if empty:
             self.totals.empty_proposals += empty
         if self._freed:
@@ -320,12 +328,17 @@ class StepAccountant:
     def _observe_vectorised(
         self,
         spec_tokens: Mapping[str, Sequence[int]],
+        num_scheduled_tokens: Mapping[str, int],
         sampled_token_ids: Sequence[Sequence[int]],
         row_of: Mapping[str, int],
         rows: Sequence[str],
         skip: set[str] | None,
-    ) -> bool:
-        """The common step, in row space. False (nothing counted): use the exact path.
+    ) -> int | None:
+        """The common step, in row space.
+
+        Returns the step's empty proposals (-1: count them the general way),
+        or None when it declined the step and counted nothing (then the exact
+        path runs).
 
         Each pass over the batch is one C-level builtin (``map``, ``sum``,
         ``compress``, counting); Python-level work is spent only on the few
@@ -337,12 +350,12 @@ class StepAccountant:
             or row_of.get(rows[0]) != 0
             or row_of.get(rows[-1]) != n - 1
         ):
-            return False  # outputs not in row order: not a layout this path knows
+            return None  # outputs not in row order: not a layout this path knows
         requests = self._requests
         if self._stale_possible and self._check_stale and any(
             map(_STALE_TOKENS, map(requests.get, spec_tokens, repeat(_GONE)))
         ):
-            return False  # a preempted request's in-flight output: rare, exact path
+            return None  # a preempted request's in-flight output: rare, exact path
         if self._freed:
             gone = [r for r in self._freed if r in spec_tokens]
             if gone:
@@ -379,9 +392,9 @@ class StepAccountant:
                 1 for row, (s, d) in unverified.items() if not s and not d
             )
             if no_draft:
-                accepted_counts[1] -= no_draft
+                accepted_counts[1] = accepted_counts.get(1, 0) - no_draft
         tallies = self._tallies
-        tallies.align(rows, row_of)
+        changed = tallies.align(rows, row_of)
         tallies.add_step(sampled, drafted)
         for row, (row_sampled, row_drafted) in unverified.items():
             # Undo this step's contribution: the row was not a verified draft.
@@ -397,7 +410,46 @@ class StepAccountant:
         _add_counts(totals, totals.drafted_hist, drafted_counts.items())
         if padding:
             totals.padding_tokens += padding
-        return True
+        empty = self._empty_in_rows(num_scheduled_tokens, rows, changed, unverified)
+        self._prev_sampled = sampled
+        return empty
+
+    def _empty_in_rows(
+        self,
+        num_scheduled_tokens: Mapping[str, int],
+        rows: list[str],
+        changed: list[int] | None,
+        unverified: Mapping[int, Any],
+    ) -> int:
+        """Empty proposals from the rows: one scheduled token (so no draft) and output.
+
+        A row counts when its request is decoding. A row whose owner is the
+        same as in the previous step, when it had output, is decoding; only
+        the other rows (new owners, previous step without output, rows not
+        verified) are looked up. -1: no previous step to compare with.
+        """
+        previous = self._prev_sampled
+        if changed is None or previous is None:
+            return -1
+        scheduled = list(map(num_scheduled_tokens.__getitem__, rows))
+        empty = scheduled.count(1)
+        if not empty:
+            return 0
+        suspects = set(changed).union(unverified)
+        if 0 in previous:
+            suspects.update(_indices(previous, 0))
+        requests = self._requests
+        n = len(rows)
+        for row in suspects:
+            if row >= n or scheduled[row] != 1:
+                continue
+            if row in unverified:  # no output, or a request vLLM skips
+                empty -= 1
+                continue
+            request = requests.get(rows[row])
+            if request is None or request.is_finished() or not request.num_output_tokens:
+                empty -= 1
+        return empty
 
     @staticmethod
     def _padding(
@@ -406,6 +458,8 @@ class StepAccountant:
         unverified: Mapping[int, Any],
     ) -> int:
         """-1 sentinels in verified drafts (they sit at the end of a draft)."""
+        if not spec_tokens:
+            return 0
         try:
             if min(map(_LAST, spec_tokens.values())) >= 0:
                 return 0
@@ -471,6 +525,7 @@ class StepAccountant:
     def forget_requests(self) -> None:
         self._tallies.clear()
         self._freed.clear()
+        self._prev_sampled = None
 
 
 def _indices(values: list[int], value: int) -> Iterator[int]:

@@ -67,7 +67,10 @@ def _attach(scheduler: Any) -> StepAccountant | None:
 
 
 def _disable(scheduler: Any, where: str) -> None:
-    scheduler.__dict__[_ACCOUNTANT_ATTR] = (_runtime.generation(), None)
+    try:
+        scheduler.__dict__[_ACCOUNTANT_ATTR] = (_runtime.generation(), None)
+    except Exception:  # not a scheduler instance (an unbound call): nothing to mark
+        pass
     _logger.exception(
         "otel_specdec: internal error in %s; speculative-decoding metrics are "
         "disabled for this engine, vLLM continues unaffected", where,

@@ -53,17 +53,21 @@ class RowTallies:
         self.spilled: dict[str, tuple[int, int]] = {}
         self._row_of: Mapping[str, int] = {}
 
-    def align(self, rows: list[str], row_of: Mapping[str, int]) -> None:
-        """Make this step's batch order, ``rows``, the rows' owners."""
+    def align(self, rows: list[str], row_of: Mapping[str, int]) -> list[int] | None:
+        """Make this step's batch order, ``rows``, the rows' owners.
+
+        Returns the rows whose owner changed (new rows included), or None when
+        most did and the columns were re-keyed instead.
+        """
         self._row_of = row_of
         owners = self.owners
         if rows == owners:
-            return
+            return []
         n, m = len(rows), len(owners)
         changed = list(compress(range(min(n, m)), map(ne, rows, owners)))
         if 4 * (len(changed) + abs(n - m)) > n + m:
             self._rekey(rows)
-            return
+            return None
         for row in changed:
             self._spill_row(row)
             self._reset_row(row)
@@ -73,7 +77,9 @@ class RowTallies:
         if n > m:
             self.sampled.extend(repeat(self.steps, n - m))
             self.drafted.extend(repeat(-self.k * self.full_steps, n - m))
+            changed.extend(range(m, n))
         self.owners = list(rows)
+        return changed
 
     def _rekey(self, rows: list[str]) -> None:
         owners = self.owners

@@ -241,15 +241,30 @@ def test_per_request_rates_match_vllm_under_churn(tiny_model, reader, accounting
     def accept(req_id: str, d: list[int]) -> int:
         return (hash(req_id) * 7 + step_no[0]) % (len(d) + 1)
 
+    def propose(req_id: str) -> list[int]:
+        # Drafts of varying length, and no draft at all now and then (ngram misses).
+        return full_proposal(req_id)[: (hash(req_id) + step_no[0]) % (K + 2)]
+
+    empty_expected = 0
     for step in range(120):
         step_no[0] = step
         if step < 80 and len(harness.scheduler.requests) < 40:
             for _ in range(rng.randint(1, 6)):
                 harness.add_requests(1, max_tokens=rng.randint(4, 40))
-        harness.step(accept, full_proposal)
+        so = harness.schedule()
+        requests = harness.scheduler.requests
+        empty_expected += sum(
+            1 for r, n in so.num_scheduled_tokens.items()
+            if n == 1 and r not in so.scheduled_spec_decode_tokens
+            and requests[r].num_output_tokens > 0
+        )
+        harness.update(so, harness.model_output(so, accept))
+        harness.propose(so, propose)
     assert not harness.scheduler.requests
     data = reader.get_metrics_data()
     assert_matches_vllm(harness, data)
+    assert empty_expected > 50
+    assert total(data, EMPTY) == empty_expected
     rates = [a / d for d, a in harness.vllm_per_request.values() if d]
     assert len(rates) > 60
     point = histogram(data, REQ_RATE)
