@@ -232,6 +232,8 @@ def test_per_request_rates_match_vllm_under_churn(tiny_model, reader, accounting
     # model runner's row layout.
     import random
 
+    from vllm.v1.request import RequestStatus
+
     harness = SchedulerHarness(
         build_scheduler(tiny_model, K, per_request_metrics=True), row_order=row_order
     )
@@ -250,13 +252,23 @@ def test_per_request_rates_match_vllm_under_churn(tiny_model, reader, accounting
         step_no[0] = step
         if step < 80 and len(harness.scheduler.requests) < 40:
             for _ in range(rng.randint(1, 6)):
-                harness.add_requests(1, max_tokens=rng.randint(4, 40))
+                # One-token prompts prefill in a one-token step: not an empty proposal.
+                harness.add_requests(1, prompt_len=rng.choice([1, 8]),
+                                     max_tokens=rng.randint(4, 40))
         so = harness.schedule()
         requests = harness.scheduler.requests
+        if step % 7 == 3 and so.num_scheduled_tokens:
+            # Aborted while the model runs: vLLM skips its output, so must we.
+            victim = rng.choice(list(so.num_scheduled_tokens))
+            metrics = requests[victim].spec_decode_metrics  # vLLM's count so far
+            harness.vllm_per_request[victim] = (
+                metrics.num_draft_tokens, sum(j * c for j, c in enumerate(metrics.histogram))
+            )
+            harness.scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
         empty_expected += sum(
             1 for r, n in so.num_scheduled_tokens.items()
             if n == 1 and r not in so.scheduled_spec_decode_tokens
-            and requests[r].num_output_tokens > 0
+            and r in requests and requests[r].num_output_tokens > 0
         )
         harness.update(so, harness.model_output(so, accept))
         harness.propose(so, propose)
