@@ -79,6 +79,9 @@ def _toggle_rounds(llm: Any, prompts: list[str], params: Any, rounds: int) -> li
                 instrumentor.instrument(skip_dep_check=True)
             elif not on and instrumentor.is_instrumented_by_opentelemetry:
                 instrumentor.uninstrument()
+            # Untimed: the plugin builds its exporter on the first step after
+            # instrument(), which an engine does once, at start-up.
+            llm.generate(prompts[:4], params, use_tqdm=False)
             out.append({"plugin": on, **_timed_generate(llm, prompts, params)})
     return out
 

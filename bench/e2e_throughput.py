@@ -57,9 +57,10 @@ def main() -> None:
                       f"{r['tokens']} tokens in {r['seconds']:.2f} s = "
                       f"{r['tokens_per_s']:.0f} tok/s", flush=True)
         exported = receiver.store.counter_total("vllm.spec_decode.drafts")
-        _report("separate processes, VLLM_PLUGINS on/off", with_tps, without_tps)
-        print(f"drafts the plugin exported over these runs: {exported:.0f} "
-              "(proves it was loaded)", flush=True)
+        if args.pairs:
+            _report("separate processes, VLLM_PLUGINS on/off", with_tps, without_tps)
+            print(f"drafts the plugin exported over these runs: {exported:.0f} "
+                  "(proves it was loaded)", flush=True)
         toggle = run_child({**config, "mode": "toggle", "rounds": args.rounds},
                            engine_env(True, endpoint, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
     rounds = toggle["rounds"]
