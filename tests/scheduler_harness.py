@@ -44,9 +44,11 @@ class VllmSpecStats:
 
 def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: bool = True,
                     max_num_seqs: int = 1024, method: str = "ngram",
-                    per_request_metrics: bool = False) -> Any:
+                    per_request_metrics: bool = False, async_scheduling: bool = False) -> Any:
+    """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``async_scheduling``)."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -69,7 +71,8 @@ def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: b
         num_blocks=200_000, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], kv_spec)],
     )
-    return Scheduler(
+    scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+    return scheduler_cls(
         vllm_config=vllm_config, kv_cache_config=kv_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=16, log_stats=log_stats,

@@ -289,3 +289,45 @@ def test_per_request_rates_match_vllm_under_churn(tiny_model, reader, accounting
     for rate in rates:
         expected[bisect.bisect_left(point.explicit_bounds, rate)] += 1
     assert list(point.bucket_counts) == expected
+
+
+def test_async_scheduling_steps_in_flight_with_aborts(tiny_model, reader, accounting_path):
+    # vLLM's AsyncScheduler schedules step N+1 before step N's output arrives.
+    # A request aborted meanwhile is in both steps in flight; vLLM skips it in
+    # both, and so must the plugin.
+    import collections
+
+    from vllm.v1.request import RequestStatus
+
+    harness = SchedulerHarness(
+        build_scheduler(tiny_model, K, async_scheduling=True, per_request_metrics=True)
+    )
+    ids = harness.add_requests(12, max_tokens=40)
+    in_flight: collections.deque = collections.deque()
+    aborted = []
+    for step in range(60):
+        so = harness.schedule()
+        in_flight.append((so, harness.model_output(so, lambda r, d, s=step: (s + len(r)) % 3)))
+        if step in (4, 7, 10):
+            victim = next(r for r in ids if r in harness.scheduler.requests)
+            metrics = harness.scheduler.requests[victim].spec_decode_metrics
+            harness.vllm_per_request[victim] = (
+                metrics.num_draft_tokens, sum(j * c for j, c in enumerate(metrics.histogram))
+            )
+            harness.scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+            aborted.append(victim)
+        if len(in_flight) == 2:
+            done, output = in_flight.popleft()
+            harness.update(done, output)
+            harness.propose(done, full_proposal)
+    while in_flight:
+        done, output = in_flight.popleft()
+        harness.update(done, output)
+    assert not harness.scheduler.requests
+    data = reader.get_metrics_data()
+    assert harness.vllm.drafts > 100
+    assert_matches_vllm(harness, data)
+    rates = [a / d for d, a in harness.vllm_per_request.values() if d]
+    point = histogram(data, REQ_RATE)
+    assert point.count == len(rates) == len(ids)
+    assert point.sum == pytest.approx(sum(rates))
