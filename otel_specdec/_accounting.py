@@ -410,7 +410,10 @@ class StepAccountant:
         _add_counts(totals, totals.drafted_hist, drafted_counts.items())
         if padding:
             totals.padding_tokens += padding
-        empty = self._empty_in_rows(num_scheduled_tokens, rows, changed, unverified)
+        # Every row drafted k tokens: no row was scheduled for one token alone.
+        empty = 0 if drafted is None else self._empty_in_rows(
+            num_scheduled_tokens, rows, changed, unverified
+        )
         self._prev_sampled = sampled
         return empty
 
