@@ -449,8 +449,7 @@ class StepAccountant:
             if row in unverified:  # no output, or a request vLLM skips
                 empty -= 1
                 continue
-            request = requests.get(rows[row])
-            if request is None or request.is_finished() or not request.num_output_tokens:
+            if not _is_decoding(requests.get(rows[row])):
                 empty -= 1
         return empty
 
@@ -512,9 +511,7 @@ class StepAccountant:
                 return len(candidates)  # all decoding, all verified one token
         empty = 0
         for request, num_generated in zip(found, generated, strict=True):
-            if request is _GONE or request.is_finished() or not request.num_output_tokens:
-                continue
-            if num_generated:
+            if num_generated and request is not _GONE and _is_decoding(request):
                 empty += 1
         return empty
 
@@ -529,6 +526,11 @@ class StepAccountant:
         self._tallies.clear()
         self._freed.clear()
         self._prev_sampled = None
+
+
+def _is_decoding(request: Any) -> bool:
+    """A live, unfinished request that has output from earlier steps."""
+    return request is not None and not request.is_finished() and bool(request.num_output_tokens)
 
 
 def _indices(values: list[int], value: int) -> Iterator[int]:

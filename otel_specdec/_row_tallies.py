@@ -118,8 +118,9 @@ class RowTallies:
         drafted, accepted = self.spilled.pop(req_id, (0, 0))
         row = self._find(req_id)
         if row is not None:
-            drafted += self.drafted[row] + self.k * self.full_steps
-            accepted += self.sampled[row] - self.steps
+            row_drafted, row_accepted = self._row_counts(row)
+            drafted += row_drafted
+            accepted += row_accepted
             self._reset_row(row)
             self.owners[row] = None
         return drafted, accepted
@@ -147,11 +148,14 @@ class RowTallies:
         except ValueError:
             return None
 
+    def _row_counts(self, row: int) -> tuple[int, int]:
+        """(drafted, accepted) of the row's owner since it arrived."""
+        return self.drafted[row] + self.k * self.full_steps, self.sampled[row] - self.steps
+
     def _spill_row(self, row: int) -> None:
         owner = self.owners[row]
         if owner is not None:
-            drafted = self.drafted[row] + self.k * self.full_steps
-            accepted = self.sampled[row] - self.steps
+            drafted, accepted = self._row_counts(row)
             if drafted or accepted:
                 self.add_spilled(owner, drafted, accepted)
 

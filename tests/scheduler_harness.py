@@ -166,11 +166,22 @@ class SchedulerHarness:
             for output in engine_outputs.outputs:
                 metrics = getattr(output, "spec_decode_metrics", None)
                 if metrics is not None and output.finish_reason is not None:
-                    accepted = sum(j * n for j, n in enumerate(metrics.histogram))
-                    self.vllm_per_request[output.request_id] = (
-                        metrics.num_draft_tokens, accepted
-                    )
+                    self.record_vllm_request(output.request_id, metrics)
         return outputs
+
+    def record_vllm_request(self, req_id: str, metrics: Any) -> None:
+        """Keep vLLM's per-request counts (``RequestSpecDecodeMetrics``)."""
+        accepted = sum(j * n for j, n in enumerate(metrics.histogram))
+        self.vllm_per_request[req_id] = (metrics.num_draft_tokens, accepted)
+
+    def abort(self, req_id: str) -> None:
+        """Abort a request, keeping vLLM's per-request counts up to now."""
+        from vllm.v1.request import RequestStatus
+
+        metrics = self.scheduler.requests[req_id].spec_decode_metrics
+        if metrics is not None:
+            self.record_vllm_request(req_id, metrics)
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
 
     def propose(self, scheduler_output: Any, propose: ProposeFn) -> None:
         from vllm.v1.outputs import DraftTokenIds

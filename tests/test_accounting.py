@@ -232,7 +232,6 @@ def test_per_request_rates_match_vllm_under_churn(tiny_model, reader, accounting
     # model runner's row layout.
     import random
 
-    from vllm.v1.request import RequestStatus
 
     harness = SchedulerHarness(
         build_scheduler(tiny_model, K, per_request_metrics=True), row_order=row_order
@@ -259,12 +258,7 @@ def test_per_request_rates_match_vllm_under_churn(tiny_model, reader, accounting
         requests = harness.scheduler.requests
         if step % 7 == 3 and so.num_scheduled_tokens:
             # Aborted while the model runs: vLLM skips its output, so must we.
-            victim = rng.choice(list(so.num_scheduled_tokens))
-            metrics = requests[victim].spec_decode_metrics  # vLLM's count so far
-            harness.vllm_per_request[victim] = (
-                metrics.num_draft_tokens, sum(j * c for j, c in enumerate(metrics.histogram))
-            )
-            harness.scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+            harness.abort(rng.choice(list(so.num_scheduled_tokens)))
         empty_expected += sum(
             1 for r, n in so.num_scheduled_tokens.items()
             if n == 1 and r not in so.scheduled_spec_decode_tokens
@@ -297,25 +291,17 @@ def test_async_scheduling_steps_in_flight_with_aborts(tiny_model, reader, accoun
     # both, and so must the plugin.
     import collections
 
-    from vllm.v1.request import RequestStatus
 
     harness = SchedulerHarness(
         build_scheduler(tiny_model, K, async_scheduling=True, per_request_metrics=True)
     )
     ids = harness.add_requests(12, max_tokens=40)
     in_flight: collections.deque = collections.deque()
-    aborted = []
     for step in range(60):
         so = harness.schedule()
         in_flight.append((so, harness.model_output(so, lambda r, d, s=step: (s + len(r)) % 3)))
         if step in (4, 7, 10):
-            victim = next(r for r in ids if r in harness.scheduler.requests)
-            metrics = harness.scheduler.requests[victim].spec_decode_metrics
-            harness.vllm_per_request[victim] = (
-                metrics.num_draft_tokens, sum(j * c for j, c in enumerate(metrics.histogram))
-            )
-            harness.scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
-            aborted.append(victim)
+            harness.abort(next(r for r in ids if r in harness.scheduler.requests))
         if len(in_flight) == 2:
             done, output = in_flight.popleft()
             harness.update(done, output)
