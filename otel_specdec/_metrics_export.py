@@ -17,10 +17,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import Histogram as SdkHistogram
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
@@ -39,7 +40,7 @@ from otel_specdec import _instruments as names
 from otel_specdec._accounting import SpecDecodeTotals, TotalsSnapshot
 from otel_specdec.version import __version__
 
-__all__ = ["TotalsRegistry", "register_counters", "HistogramInjector"]
+__all__ = ["ExportGuard", "HistogramInjector", "TotalsRegistry", "bind_counters"]
 
 _logger = logging.getLogger(__name__)
 
@@ -82,46 +83,108 @@ def _with_position(attributes: dict[str, Any], position: int) -> dict[str, Any]:
     return {**attributes, names.ATTR_POSITION: position}
 
 
-def register_counters(meter: Meter, registry: TotalsRegistry) -> None:
-    """Create the observable counters, read from ``registry`` at collection."""
+class ExportGuard:
+    """Stops the plugin's export for good after its first failure.
 
-    def drafts(_: CallbackOptions) -> Iterator[Observation]:
-        for entry in registry.entries():
-            yield Observation(sum(entry.accepted_hist), entry.attributes)
+    A bug in the plugin's collection code must not make the SDK log an
+    error at every collection: the first failure is logged with its
+    traceback, then the plugin contributes nothing more to exports.
+    """
 
-    def per_position(hist_name: str):
-        def callback(_: CallbackOptions) -> Iterator[Observation]:
-            for entry in registry.entries():
-                snap = entry.snapshot()
-                k = entry.num_speculative_tokens
-                values = (
-                    snap.accepted_per_position(k)
-                    if hist_name == "accepted"
-                    else snap.drafted_per_position(k)
+    def __init__(self) -> None:
+        self.failed = False
+
+    def trip(self, where: str) -> None:
+        if not self.failed:
+            self.failed = True
+            _logger.exception(
+                "otel_specdec: internal error while %s; the plugin stops exporting "
+                "speculative-decoding metrics in this process, vLLM is unaffected", where,
+            )
+
+
+class _CounterSource:
+    """What a provider's observable counters read: the current runtime's totals."""
+
+    def __init__(self) -> None:
+        self.registry: TotalsRegistry | None = None
+        self.guard = ExportGuard()
+
+    def observations(self, observe: Callable[[SpecDecodeTotals], Iterable[Observation]],
+                     name: str) -> list[Observation]:
+        registry, guard = self.registry, self.guard
+        if registry is None or guard.failed:
+            return []
+        try:
+            return [obs for entry in registry.entries() for obs in observe(entry)]
+        except Exception:
+            guard.trip(f"reading {name}")
+            return []
+
+
+# Instruments are created once per provider (the SDK ignores a second
+# creation under the same name, callbacks included); a new runtime on the
+# same provider (re-instrumented, or in a forked child) rebinds the source.
+_counter_sources: weakref.WeakKeyDictionary[Any, _CounterSource] = weakref.WeakKeyDictionary()
+_sources_lock = threading.Lock()
+
+
+def _drafts(entry: SpecDecodeTotals) -> Iterable[Observation]:
+    yield Observation(sum(entry.accepted_hist), entry.attributes)
+
+
+def _per_position(accepted: bool) -> Callable[[SpecDecodeTotals], Iterable[Observation]]:
+    def observe(entry: SpecDecodeTotals) -> Iterable[Observation]:
+        snap = entry.snapshot()
+        k = entry.num_speculative_tokens
+        values = snap.accepted_per_position(k) if accepted else snap.drafted_per_position(k)
+        for position, value in enumerate(values):
+            yield Observation(value, _with_position(entry.attributes, position))
+
+    return observe
+
+
+def _scalar(field: str) -> Callable[[SpecDecodeTotals], Iterable[Observation]]:
+    def observe(entry: SpecDecodeTotals) -> Iterable[Observation]:
+        yield Observation(getattr(entry, field), entry.attributes)
+
+    return observe
+
+
+_COUNTER_SPECS = (
+    (names.DRAFTS, names.UNIT_DRAFT, _drafts),
+    (names.DRAFT_TOKENS, names.UNIT_TOKEN, _per_position(accepted=False)),
+    (names.ACCEPTED_TOKENS, names.UNIT_TOKEN, _per_position(accepted=True)),
+    (names.EMPTY_PROPOSALS, names.UNIT_PROPOSAL, _scalar("empty_proposals")),
+    (names.PADDING_TOKENS, names.UNIT_TOKEN, _scalar("padding_tokens")),
+)
+
+
+def bind_counters(provider: Any, registry: TotalsRegistry | None) -> ExportGuard:
+    """Make ``provider``'s counters report ``registry`` (None: report nothing)."""
+    with _sources_lock:
+        source = _counter_sources.get(provider)
+        if source is None:
+            source = _counter_sources[provider] = _CounterSource()
+            meter = provider.get_meter(names.METER_NAME, __version__)
+            for name, unit, observe in _COUNTER_SPECS:
+                meter.create_observable_counter(
+                    name, callbacks=[_callback(source, observe, name)], unit=unit,
+                    description=names.DESCRIPTIONS[name],
                 )
-                for position, value in enumerate(values):
-                    yield Observation(value, _with_position(entry.attributes, position))
+        source.registry = registry
+        if registry is not None:
+            source.guard = ExportGuard()
+        return source.guard
 
-        return callback
 
-    def scalar(field: str):
-        def callback(_: CallbackOptions) -> Iterator[Observation]:
-            for entry in registry.entries():
-                yield Observation(getattr(entry, field), entry.attributes)
+def _callback(source: _CounterSource,
+              observe: Callable[[SpecDecodeTotals], Iterable[Observation]],
+              name: str) -> Callable[[CallbackOptions], list[Observation]]:
+    def callback(_: CallbackOptions) -> list[Observation]:
+        return source.observations(observe, name)
 
-        return callback
-
-    specs = [
-        (names.DRAFTS, names.UNIT_DRAFT, drafts),
-        (names.DRAFT_TOKENS, names.UNIT_TOKEN, per_position("drafted")),
-        (names.ACCEPTED_TOKENS, names.UNIT_TOKEN, per_position("accepted")),
-        (names.EMPTY_PROPOSALS, names.UNIT_PROPOSAL, scalar("empty_proposals")),
-        (names.PADDING_TOKENS, names.UNIT_TOKEN, scalar("padding_tokens")),
-    ]
-    for name, unit, callback in specs:
-        meter.create_observable_counter(
-            name, callbacks=[callback], unit=unit, description=names.DESCRIPTIONS[name]
-        )
+    return callback
 
 
 def _histogram_point(
@@ -176,32 +239,57 @@ class _ReaderState:
         self.last: dict[int, TotalsSnapshot] = {}
 
 
-class HistogramInjector:
-    """Adds the two histograms to every collection of the attached readers."""
+# Marks our reader hook, so a later runtime replaces it rather than chaining.
+_ORIGINAL_ATTR = "_otel_specdec_original"
 
-    def __init__(self, registry: TotalsRegistry, resource: Resource) -> None:
+
+class HistogramInjector:
+    """Rewrites every collection of the attached readers before export.
+
+    It adds the two histograms to the plugin's scope, and, where the
+    resource lacks a per-process identity (a provider the plugin did not
+    build), moves the plugin's scope under a copy of the resource with
+    ``service.instance.id`` and the data-parallel rank added, so that
+    several engine processes never write the same series.
+    """
+
+    def __init__(self, registry: TotalsRegistry, resource: Resource, guard: ExportGuard,
+                 identity: dict[str, Any], owns_provider: bool) -> None:
         self._registry = registry
         self._resource = resource
+        self._guard = guard
+        self._identity = identity
+        self._owns_provider = owns_provider
         self._scope = InstrumentationScope(names.METER_NAME, __version__)
         self._readers: dict[int, MetricReader] = {}
-        self._failed = False
 
     def attach(self, reader: MetricReader) -> None:
         if id(reader) in self._readers:
             return
         original = reader._receive_metrics
+        original = getattr(original, _ORIGINAL_ATTR, original)
         temporality = getattr(reader, "_instrument_class_temporality", {}).get(
             SdkHistogram, AggregationTemporality.CUMULATIVE
         )
         state = _ReaderState(temporality, time.time_ns())
         self._registry.add_rate_tracker(id(state))
+        pid = os.getpid()
+        drop_in_child = self._owns_provider
 
         def receive_metrics(
             metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
         ) -> None:
-            metrics_data = self._inject_safely(metrics_data, state)
+            if os.getpid() != pid:
+                # A forked child's copy of this reader: the SDK restarts its
+                # thread after fork. The plugin's own provider holds only the
+                # parent's data, sent over the parent's connection: drop it.
+                if drop_in_child:
+                    return None
+            else:
+                metrics_data = self._rewrite_safely(metrics_data, state)
             return original(metrics_data, timeout_millis=timeout_millis, **kwargs)
 
+        setattr(receive_metrics, _ORIGINAL_ATTR, original)
         reader._receive_metrics = receive_metrics  # type: ignore[method-assign]
         self._readers[id(reader)] = reader
 
@@ -211,17 +299,13 @@ class HistogramInjector:
             reader.__dict__.pop("_receive_metrics", None)
         self._readers.clear()
 
-    def _inject_safely(self, metrics_data: MetricsData, state: _ReaderState) -> MetricsData:
-        if self._failed:
+    def _rewrite_safely(self, metrics_data: MetricsData, state: _ReaderState) -> MetricsData:
+        if self._guard.failed:
             return metrics_data
         try:
-            return self._inject(metrics_data, state)
+            return self._rewrite(metrics_data, state)
         except Exception:
-            self._failed = True
-            _logger.exception(
-                "otel_specdec: building histogram points failed; histograms are "
-                "disabled for this process, counters continue"
-            )
+            self._guard.trip("building the histograms of a collection")
             return metrics_data
 
     def _metrics(self, state: _ReaderState) -> list[Metric]:
@@ -284,35 +368,37 @@ class HistogramInjector:
             minimum = maximum = 0.0
         return minimum, maximum
 
-    def _inject(self, metrics_data: MetricsData, state: _ReaderState) -> MetricsData:
+    def _rewrite(self, metrics_data: MetricsData, state: _ReaderState) -> MetricsData:
         extra = self._metrics(state)
-        if not extra:
-            return metrics_data
         resource_metrics = list(metrics_data.resource_metrics) if metrics_data else []
-        if not resource_metrics:
-            return MetricsData(
-                resource_metrics=[
-                    ResourceMetrics(
-                        resource=self._resource,
-                        scope_metrics=[ScopeMetrics(self._scope, extra, "")],
-                        schema_url="",
-                    )
-                ]
-            )
-        first = resource_metrics[0]
-        scopes = list(first.scope_metrics)
-        for i, scope_metrics in enumerate(scopes):
-            if scope_metrics.scope.name == names.METER_NAME:
-                scopes[i] = ScopeMetrics(
-                    scope_metrics.scope,
-                    list(scope_metrics.metrics) + extra,
-                    scope_metrics.schema_url,
-                )
+        # Take the plugin's scope out of wherever the SDK put it.
+        ours: list[Metric] = list(extra)
+        home: Resource | None = None
+        kept: list[ResourceMetrics] = []
+        for rm in resource_metrics:
+            scopes = [sm for sm in rm.scope_metrics if sm.scope.name != names.METER_NAME]
+            if len(scopes) == len(rm.scope_metrics):
+                kept.append(rm)
+                continue
+            home = home or rm.resource
+            ours[:0] = [m for sm in rm.scope_metrics if sm.scope.name == names.METER_NAME
+                        for m in sm.metrics]
+            if scopes:
+                kept.append(ResourceMetrics(rm.resource, scopes, rm.schema_url))
+        if not ours:
+            return metrics_data
+        if home is None:
+            home = resource_metrics[0].resource if resource_metrics else self._resource
+        missing = {k: v for k, v in self._identity.items() if k not in home.attributes}
+        resource = home.merge(Resource(missing)) if missing else home
+        scope = ScopeMetrics(self._scope, ours, "")
+        for i, rm in enumerate(kept):
+            if rm.resource is resource:
+                kept[i] = ResourceMetrics(rm.resource, [*rm.scope_metrics, scope], rm.schema_url)
                 break
         else:
-            scopes.append(ScopeMetrics(self._scope, extra, ""))
-        resource_metrics[0] = ResourceMetrics(first.resource, scopes, first.schema_url)
-        return MetricsData(resource_metrics=resource_metrics)
+            kept.append(ResourceMetrics(resource, [scope], ""))
+        return MetricsData(resource_metrics=kept)
 
 
 def _minus(current: Iterable[int], previous: list[int]) -> list[int]:

@@ -13,8 +13,12 @@ Target: ``vllm.v1.core.sched.scheduler.Scheduler`` (subclasses such as
 * ``_free_request``: every finished or aborted request passes here; its
   tally becomes one per-request acceptance-rate value, and its id is kept a
   few steps so that steps already in flight skip it as vLLM does.
-* ``shutdown``: after the host's, flush the metrics so a short run's totals
-  reach the collector.
+* ``shutdown``: after the host's, export what the engine counted: the last
+  engine of the plugin's own provider shuts it down (one final export,
+  bounded by the export timeout, well inside vLLM's grace period before it
+  kills an engine process); otherwise the provider is flushed. Engine-core
+  processes started by fork end without running exit hooks, so this is
+  where the last interval's counts leave the process.
 
 Why patch: vLLM exposes these numbers only to its Prometheus and logging
 stat loggers, and only when stats logging is on. Removable when vLLM offers
@@ -45,6 +49,9 @@ _logger = logging.getLogger(__name__)
 # The accountant is kept on the scheduler instance itself: one dict lookup
 # per step, and it dies with the scheduler.
 _ACCOUNTANT_ATTR = "_otel_specdec_accountant"
+# The runtime this scheduler's engine was counted in, told when it shuts down
+# (kept apart from the accountant, which a failure drops).
+_RUNTIME_ATTR = "_otel_specdec_runtime"
 
 _lock = threading.Lock()
 _installed_on: type | None = None
@@ -59,6 +66,7 @@ def _attach(scheduler: Any) -> StepAccountant | None:
         runtime = _runtime.get_or_create(info)
         if runtime is not None:
             accountant = runtime.accountant_for(scheduler, info)
+            scheduler.__dict__[_RUNTIME_ATTR] = runtime
             if "_free_request" not in _wrapped_methods:
                 # The vectorised path learns of freed requests from this hook.
                 accountant.vectorise_from = sys.maxsize
@@ -138,10 +146,11 @@ def _shutdown_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> An
     finally:
         try:
             accountant = _attached(instance)
-            runtime = _runtime.current()
-            if accountant is not None and runtime is not None:
+            if accountant is not None:
                 accountant.forget_requests()
-                runtime.flush()
+            runtime = instance.__dict__.pop(_RUNTIME_ATTR, None)
+            if runtime is not None:
+                runtime.engine_stopped()
         except Exception:
             _logger.warning("otel_specdec: flush at shutdown failed", exc_info=True)
 

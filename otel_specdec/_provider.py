@@ -23,50 +23,14 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 
 from otel_specdec._instruments import RES_DP_RANK
+from otel_specdec._settings import ExportSettings, env_value
 
-__all__ = ["ConfigError", "build_meter_provider", "existing_sdk_provider", "readers_of"]
+__all__ = ["build_meter_provider", "existing_sdk_provider", "readers_of", "resource_of"]
 
 _logger = logging.getLogger(__name__)
 
-_PROTOCOLS = ("grpc", "http/protobuf")
-_EXPORTERS = ("otlp", "console", "none")
-_DEFAULT_PROTOCOL = "grpc"
-
-
-class ConfigError(ValueError):
-    """A setting has a value the plugin cannot use."""
-
-    def __init__(self, variable: str, value: str, expected: str) -> None:
-        super().__init__(f"{variable}={value!r} is not valid: expected {expected}")
-        self.variable = variable
-
-
-def _env(name: str) -> str | None:
-    value = os.environ.get(name)
-    return value.strip() if value is not None and value.strip() else None
-
-
-def metrics_exporters() -> list[str]:
-    raw = _env("OTEL_METRICS_EXPORTER") or "otlp"
-    chosen = [name.strip().lower() for name in raw.split(",") if name.strip()]
-    for name in chosen:
-        if name not in _EXPORTERS:
-            raise ConfigError("OTEL_METRICS_EXPORTER", raw, " or ".join(_EXPORTERS))
-    return [name for name in chosen if name != "none"]
-
-
-def otlp_protocol() -> str:
-    for variable in ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
-        value = _env(variable)
-        if value is not None:
-            if value not in _PROTOCOLS:
-                raise ConfigError(variable, value, " or ".join(_PROTOCOLS))
-            return value
-    return _DEFAULT_PROTOCOL
-
-
-def _otlp_exporter() -> Any:
-    if otlp_protocol() == "grpc":
+def _otlp_exporter(settings: ExportSettings) -> Any:
+    if settings.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
             OTLPMetricExporter,
         )
@@ -74,12 +38,14 @@ def _otlp_exporter() -> Any:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
             OTLPMetricExporter,
         )
-    return OTLPMetricExporter()
+    # The timeout is passed explicitly: it was checked, and the shutdown
+    # budget is derived from it. Everything else the exporter reads itself.
+    return OTLPMetricExporter(timeout=settings.otlp_timeout_s)
 
 
-def _exporter(name: str) -> Any:
+def _exporter(name: str, settings: ExportSettings) -> Any:
     if name == "otlp":
-        return _otlp_exporter()
+        return _otlp_exporter(settings)
     from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
     return ConsoleMetricExporter()
@@ -92,9 +58,9 @@ def build_resource(data_parallel_rank: int) -> Resource:
         "process.pid": os.getpid(),
         RES_DP_RANK: data_parallel_rank,
     }
-    env_attrs = _env("OTEL_RESOURCE_ATTRIBUTES") or ""
+    env_attrs = env_value("OTEL_RESOURCE_ATTRIBUTES") or ""
     env_keys = {pair.split("=", 1)[0].strip() for pair in env_attrs.split(",") if "=" in pair}
-    if not _env("OTEL_SERVICE_NAME") and "service.name" not in env_keys:
+    if not env_value("OTEL_SERVICE_NAME") and "service.name" not in env_keys:
         attributes["service.name"] = "vllm"
     # Settings from the environment win over the defaults above.
     for key in env_keys & set(attributes):
@@ -102,15 +68,30 @@ def build_resource(data_parallel_rank: int) -> Resource:
     return Resource.create(attributes)
 
 
-def build_meter_provider(data_parallel_rank: int) -> MeterProvider | None:
-    """A private provider per the environment; None if metrics are off."""
+def build_meter_provider(
+    settings: ExportSettings, data_parallel_rank: int
+) -> MeterProvider | None:
+    """A private provider per ``settings``; None if metrics are off.
+
+    Not shut down by the SDK's exit hook: the runtime shuts it down itself,
+    once, with the final-export budget (see ``_runtime``).
+    """
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-    names = metrics_exporters()
-    if not names:
+    if not settings.exporters:
         return None
-    readers = [PeriodicExportingMetricReader(_exporter(name)) for name in names]
-    return MeterProvider(metric_readers=readers, resource=build_resource(data_parallel_rank))
+    readers = [
+        PeriodicExportingMetricReader(
+            _exporter(name, settings),
+            export_interval_millis=settings.interval_ms,
+            export_timeout_millis=settings.export_timeout_ms,
+        )
+        for name in settings.exporters
+    ]
+    return MeterProvider(
+        metric_readers=readers, resource=build_resource(data_parallel_rank),
+        shutdown_on_exit=False,
+    )
 
 
 def existing_sdk_provider() -> MeterProvider | None:

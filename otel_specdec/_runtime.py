@@ -8,38 +8,51 @@ parent's totals.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import uuid
 from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
 
 from otel_specdec import _provider, _vllm_compat
 from otel_specdec._accounting import StepAccountant
-from otel_specdec._instruments import METER_NAME
-from otel_specdec._metrics_export import HistogramInjector, TotalsRegistry, register_counters
+from otel_specdec._instruments import RES_DP_RANK
+from otel_specdec._metrics_export import HistogramInjector, TotalsRegistry, bind_counters
+from otel_specdec._settings import ConfigError, ExportSettings, read_settings
 from otel_specdec._vllm_compat import EngineInfo
-from otel_specdec.version import __version__
 
 __all__ = ["Runtime", "configure", "current", "get_or_create", "shutdown"]
 
 _logger = logging.getLogger(__name__)
 
-# Flush budget at engine shutdown; the exporter's own timeout bounds each try.
-_FLUSH_TIMEOUT_MILLIS = 10_000
+# Flush budget at engine shutdown with a provider the plugin did not build
+# (its exporter's own timeout bounds the export itself).
+_FOREIGN_FLUSH_BUDGET_MS = 10_000
 
 
 class Runtime:
-    """The OpenTelemetry side of the plugin in one process."""
+    """The OpenTelemetry side of the plugin in one process.
 
-    def __init__(self, provider: MeterProvider, owns_provider: bool) -> None:
+    ``settings`` is None when the provider is not the plugin's own.
+    """
+
+    def __init__(self, provider: MeterProvider, settings: ExportSettings | None,
+                 data_parallel_rank: int) -> None:
         self.provider = provider
-        self.owns_provider = owns_provider
+        self.settings = settings
+        self.owns_provider = settings is not None
         self.registry = TotalsRegistry()
-        self.injector = HistogramInjector(self.registry, _provider.resource_of(provider))
-        meter = provider.get_meter(METER_NAME, __version__)
-        register_counters(meter, self.registry)
+        self.closed = False
+        self._live_engines = 0
+        self._lock = threading.Lock()
+        guard = bind_counters(provider, self.registry)
+        identity = {"service.instance.id": str(uuid.uuid4()), RES_DP_RANK: data_parallel_rank}
+        self.injector = HistogramInjector(
+            self.registry, _provider.resource_of(provider), guard, identity, self.owns_provider
+        )
         readers = _provider.readers_of(provider)
         if not readers:
             _logger.warning(
@@ -49,8 +62,17 @@ class Runtime:
         for reader in readers:
             self.injector.attach(reader)
 
+    @property
+    def final_export_budget_ms(self) -> float:
+        """Time the last export may take at shutdown: the export timeout."""
+        if self.settings is not None:
+            return self.settings.final_export_budget_ms
+        return _FOREIGN_FLUSH_BUDGET_MS
+
     def accountant_for(self, scheduler: Any, info: EngineInfo) -> StepAccountant:
         totals = self.registry.totals_for(info.attributes, info.num_speculative_tokens)
+        with self._lock:
+            self._live_engines += 1
         return StepAccountant(
             totals,
             scheduler.requests,
@@ -60,19 +82,44 @@ class Runtime:
             finished_above=_vllm_compat.finished_status_threshold(),
         )
 
+    def engine_stopped(self) -> None:
+        """An engine shut down: export what it counted, within the budget.
+
+        The last engine of the plugin's own provider shuts the provider down
+        (one final export); otherwise the provider is flushed.
+        """
+        with self._lock:
+            self._live_engines -= 1
+            last = self._live_engines <= 0
+        if last and self.owns_provider:
+            _discard(self)
+        else:
+            self.flush()
+
     def flush(self) -> None:
+        if self.closed:
+            return
         try:
-            self.provider.force_flush(timeout_millis=_FLUSH_TIMEOUT_MILLIS)
+            self.provider.force_flush(timeout_millis=self.final_export_budget_ms)
         except Exception:
             _logger.warning("otel_specdec: flushing metrics failed", exc_info=True)
 
     def close(self) -> None:
-        self.injector.detach_all()
+        """Stop reporting; shut the plugin's own provider down (final export)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
         if self.owns_provider:
             try:
-                self.provider.shutdown(timeout_millis=_FLUSH_TIMEOUT_MILLIS)
+                # The reader's last collection runs in its thread, bounded by
+                # the exporter's timeout; the wait here is bounded the same.
+                self.provider.shutdown(timeout_millis=self.final_export_budget_ms)
             except Exception:
                 _logger.warning("otel_specdec: shutting down metrics failed", exc_info=True)
+        else:
+            bind_counters(self.provider, None)
+        self.injector.detach_all()
 
 
 _lock = threading.Lock()
@@ -112,27 +159,62 @@ def get_or_create(info: EngineInfo) -> Runtime | None:
         if _runtime is not None or _disabled_reason is not None:
             return _runtime
         provider = _configured_provider or _provider.existing_sdk_provider()
-        owns = provider is None
-        if owns:
+        settings = None
+        if provider is None:
             try:
-                provider = _provider.build_meter_provider(info.data_parallel_rank)
-            except _provider.ConfigError as exc:
-                _disabled_reason = str(exc)
-                _logger.error(
-                    "otel_specdec: %s; speculative-decoding metrics are disabled, "
-                    "the engine runs on", exc,
-                )
-                return None
+                settings = read_settings()
+                provider = _provider.build_meter_provider(settings, info.data_parallel_rank)
+            except ConfigError as exc:
+                return _disable_metrics(str(exc))
+            except Exception as exc:  # an exporter rejecting what the checks let through
+                return _disable_metrics(f"the exporter could not be built ({exc})")
             if provider is None:
                 _disabled_reason = "OTEL_METRICS_EXPORTER=none"
                 _logger.info("otel_specdec: OTEL_METRICS_EXPORTER=none, metrics are off")
                 return None
-        _runtime = Runtime(provider, owns_provider=owns)
+        _runtime = Runtime(provider, settings, info.data_parallel_rank)
+        if settings is not None:
+            _register_exit_hook()
         return _runtime
 
 
+def _disable_metrics(reason: str) -> None:
+    global _disabled_reason
+    _disabled_reason = reason
+    _logger.error(
+        "otel_specdec: %s; speculative-decoding metrics are disabled, the engine runs on",
+        reason,
+    )
+    return None
+
+
+_exit_hook_registered = False
+
+
+def _register_exit_hook() -> None:
+    """Close the runtime at interpreter exit if no engine shutdown did.
+
+    Replaces the SDK's own exit hook on the plugin's provider, so that the
+    provider is shut down once, with the final-export budget.
+    """
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        atexit.register(shutdown)
+
+
+def _discard(runtime: Runtime) -> None:
+    """Close ``runtime`` and forget it, if it is still the current one."""
+    global _runtime, _generation
+    with _lock:
+        if _runtime is runtime:
+            _runtime = None
+            _generation += 1
+    runtime.close()
+
+
 def shutdown() -> None:
-    """Close the runtime (uninstrument); a later engine builds a new one."""
+    """Close the runtime (uninstrument, exit); a later engine builds a new one."""
     global _runtime, _disabled_reason, _generation
     with _lock:
         runtime, _runtime, _disabled_reason = _runtime, None, None
