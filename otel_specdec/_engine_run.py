@@ -10,16 +10,19 @@ own process) and the plugin loads through vLLM's entry point.
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
+import time
 from typing import Any
 
 from otel_specdec._receiver import add_elementwise
 
-__all__ = ["run", "run_in_child", "DEFAULT_PROMPTS", "RESULT_PREFIX"]
+__all__ = ["run", "run_in_child", "DEFAULT_PROMPTS", "PHASE_PREFIX", "RESULT_PREFIX"]
 
 RESULT_PREFIX = "OTEL_SPECDEC_RESULT "
+PHASE_PREFIX = "OTEL_SPECDEC_PHASE "
 
 DEFAULT_PROMPTS = [
     "the quick brown fox jumps over the lazy dog, the quick brown fox",
@@ -52,10 +55,10 @@ def vllm_counters(llm: Any) -> dict[str, Any]:
     return out
 
 
-def run(config: dict[str, Any]) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+def _build_llm(config: dict[str, Any]) -> Any:
+    from vllm import LLM
 
-    llm = LLM(
+    return LLM(
         model=config["model"],
         speculative_config=config.get("speculative_config"),
         max_model_len=512,
@@ -65,14 +68,54 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         disable_log_stats=config.get("disable_log_stats", False),
         seed=0,
     )
+
+
+def _generate(llm: Any, config: dict[str, Any], result: dict[str, Any]) -> None:
+    """``config["phases"]`` rounds of generation (default 1).
+
+    Between rounds the child prints ``PHASE_PREFIX <n> <vLLM's counters as
+    JSON>`` and waits for a line on stdin, so a test can change the world (start or stop a
+    collector) while the engine is up.
+    """
+    from vllm import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=config.get("max_tokens", 48),
                             ignore_eos=True)
     prompts = config.get("prompts") or DEFAULT_PROMPTS
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    result = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
-    if not config.get("disable_log_stats", False):
+    result_has_counters = not config.get("disable_log_stats", False)
+    result["gen_seconds"], result["output_tokens"] = [], []
+    for phase in range(config.get("phases", 1)):
+        if phase:
+            counters = json.dumps(vllm_counters(llm)) if result_has_counters else "{}"
+            print(f"{PHASE_PREFIX}{phase} {counters}", flush=True)
+            sys.stdin.readline()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        result["gen_seconds"].append(time.perf_counter() - start)
+        result["output_tokens"].append(sum(len(o.outputs[0].token_ids) for o in outputs))
+        result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+    if result_has_counters:
         result["vllm"] = vllm_counters(llm)
-    del llm
+
+
+def _run_in_scope(config: dict[str, Any], result: dict[str, Any]) -> None:
+    # The LLM is only referenced here: it goes when this function returns.
+    _generate(_build_llm(config), config, result)
+
+
+def run(config: dict[str, Any]) -> dict[str, Any]:
+    """Build, generate, shut down; ``shutdown_seconds`` is the time to drop the LLM."""
+    result: dict[str, Any] = {}
+    if config.get("drop") == "scope":
+        _run_in_scope(config, result)  # the LLM is gone when this returns
+        start = time.perf_counter()
+        gc.collect()
+    else:
+        llm = _build_llm(config)
+        _generate(llm, config, result)
+        start = time.perf_counter()
+        del llm
+    result["shutdown_seconds"] = time.perf_counter() - start
     return result
 
 

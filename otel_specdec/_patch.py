@@ -181,7 +181,7 @@ def install() -> bool:
             )
             return False
         for method in _vllm_compat.REQUIRED_METHODS + _vllm_compat.OPTIONAL_METHODS:
-            if not callable(getattr(scheduler_cls, method, None)):
+            if not _vllm_compat.has_method(scheduler_cls, method):
                 _logger.warning(
                     "otel_specdec: Scheduler.%s not found; %s", method,
                     "per-request acceptance rates are not recorded"

@@ -9,6 +9,7 @@ delta points, so totals can be compared with vLLM's own counters.
 from __future__ import annotations
 
 import gzip
+import ssl
 import threading
 import zlib
 from concurrent import futures
@@ -22,7 +23,7 @@ from opentelemetry.proto.collector.metrics.v1 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-__all__ = ["MetricsStore", "OtlpReceiver", "HistogramTotal", "add_elementwise"]
+__all__ = ["HistogramTotal", "MetricsStore", "OtlpReceiver", "ServerTls", "add_elementwise"]
 
 _DELTA = 1  # AGGREGATION_TEMPORALITY_DELTA
 
@@ -86,7 +87,8 @@ class MetricsStore:
     """Series received so far, merged by temporality."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: wait_for's predicate reads the store under the lock.
+        self._lock = threading.RLock()
         self._series: dict[tuple[Any, ...], _Series] = {}
         self.requests = 0
         self.changed = threading.Condition(self._lock)
@@ -219,16 +221,37 @@ def _http_handler(store: MetricsStore) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-class OtlpReceiver:
-    """OTLP/gRPC and OTLP/HTTP metrics endpoints on 127.0.0.1 (free ports)."""
+@dataclass(frozen=True)
+class ServerTls:
+    """PEM files for a TLS receiver; with ``client_ca``, client certificates
+    signed by it are required (mutual TLS)."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class OtlpReceiver:
+    """OTLP/gRPC and OTLP/HTTP metrics endpoints on loopback.
+
+    Ports are free ones unless given (a test restarting a "collector" on
+    the same address gives them); ``store`` may be shared across restarts.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", *, grpc_port: int = 0, http_port: int = 0,
+                 tls: ServerTls | None = None, store: MetricsStore | None = None) -> None:
         self.host = host
-        self.store = MetricsStore()
+        self.store = store or MetricsStore()
+        self.tls = tls
         self._grpc: Any = None
         self._http: ThreadingHTTPServer | None = None
-        self.grpc_port = 0
-        self.http_port = 0
+        self.grpc_port = grpc_port
+        self.http_port = http_port
 
     def start(self) -> OtlpReceiver:
         import grpc
@@ -237,16 +260,40 @@ class OtlpReceiver:
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(
             _GrpcService(self.store), self._grpc
         )
-        self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:0")
+        address = f"{self.host}:{self.grpc_port}"
+        if self.tls is None:
+            self.grpc_port = self._grpc.add_insecure_port(address)
+        else:
+            client_ca = _read(self.tls.client_ca_file) if self.tls.client_ca_file else None
+            credentials = grpc.ssl_server_credentials(
+                [(_read(self.tls.key_file), _read(self.tls.cert_file))],
+                root_certificates=client_ca, require_client_auth=client_ca is not None,
+            )
+            self.grpc_port = self._grpc.add_secure_port(address, credentials)
         self._grpc.start()
-        self._http = ThreadingHTTPServer((self.host, 0), _http_handler(self.store))
+        ThreadingHTTPServer.allow_reuse_address = True
+        self._http = ThreadingHTTPServer((self.host, self.http_port), _http_handler(self.store))
+        if self.tls is not None:
+            self._http.socket = self._server_ssl_context().wrap_socket(
+                self._http.socket, server_side=True
+            )
         self.http_port = self._http.server_address[1]
         threading.Thread(target=self._http.serve_forever, daemon=True).start()
         return self
 
+    def _server_ssl_context(self) -> ssl.SSLContext:
+        assert self.tls is not None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.tls.cert_file, self.tls.key_file)
+        if self.tls.client_ca_file:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(self.tls.client_ca_file)
+        return context
+
     def endpoint(self, protocol: str) -> str:
         port = self.grpc_port if protocol == "grpc" else self.http_port
-        return f"http://{self.host}:{port}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{self.host}:{port}"
 
     def stop(self) -> None:
         if self._grpc is not None:

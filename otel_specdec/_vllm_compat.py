@@ -83,6 +83,12 @@ def _field_names(cls: type) -> set[str]:
     return names
 
 
+def has_method(cls: type, name: str) -> bool:
+    """``cls`` implements ``name`` (an abstract one of its interface does not count)."""
+    method = getattr(cls, name, None)
+    return callable(method) and not getattr(method, "__isabstractmethod__", False)
+
+
 def check_scheduler() -> tuple[type | None, str | None]:
     """Import the scheduler class and check the fields the plugin reads.
 
@@ -97,7 +103,7 @@ def check_scheduler() -> tuple[type | None, str | None]:
     scheduler_cls = getattr(scheduler_module, SCHEDULER_CLASS, None)
     if scheduler_cls is None:
         return None, f"{SCHEDULER_MODULE} has no {SCHEDULER_CLASS}"
-    missing = [m for m in REQUIRED_METHODS if not callable(getattr(scheduler_cls, m, None))]
+    missing = [m for m in REQUIRED_METHODS if not has_method(scheduler_cls, m)]
     missing += [
         f"SchedulerOutput.{f}"
         for f in _SCHEDULER_OUTPUT_FIELDS

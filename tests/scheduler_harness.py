@@ -44,7 +44,8 @@ class VllmSpecStats:
 
 def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: bool = True,
                     max_num_seqs: int = 1024, method: str = "ngram",
-                    per_request_metrics: bool = False, async_scheduling: bool = False) -> Any:
+                    per_request_metrics: bool = False, async_scheduling: bool = False,
+                    served_model_name: str | None = None) -> Any:
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``async_scheduling``)."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
@@ -60,6 +61,7 @@ def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: b
         model=model_dir, speculative_config=spec, max_model_len=512, dtype="float32",
         enforce_eager=True, gpu_memory_utilization=0.15, max_num_seqs=max_num_seqs,
         enable_prefix_caching=False,
+        served_model_name=[served_model_name] if served_model_name else None,
         # vLLM's own per-request counts, reported with each finished request.
         per_request_spec_decode_metrics="summary" if per_request_metrics else "none",
         max_num_batched_tokens=max(8192, max_num_seqs * (num_speculative_tokens + 1) * 2),

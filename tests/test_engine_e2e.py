@@ -120,6 +120,11 @@ def test_both_activation_paths_do_not_double_count(tiny_model):
         OTEL_METRIC_EXPORT_INTERVAL="1000",
     )
     assert_totals_equal_vllm(result, store, own_provider=False)
-    # The metrics came through the distro's provider: its resource, not ours.
+    # The metrics came through the distro's provider: its resource (its
+    # default service name, not the plugin's), with a per-process identity
+    # added because the distro's resource has none.
     [series] = store.series("vllm.spec_decode.drafts")
-    assert "vllm.data_parallel.rank" not in series.resource
+    assert series.resource["service.name"] == "unknown_service"
+    assert series.resource["telemetry.sdk.language"] == "python"
+    assert series.resource["service.instance.id"]
+    assert series.resource["vllm.data_parallel.rank"] == 0

@@ -1,0 +1,160 @@
+"""What the failure tests need around the engine: free ports, a collector
+that hangs, TLS certificates, an engine child driven phase by phase."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from otel_specdec._engine_run import PHASE_PREFIX, RESULT_PREFIX
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HangingCollector:
+    """Accepts connections on loopback and never answers (nor closes)."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.port = self._sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)
+
+    def __enter__(self) -> HangingCollector:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+def make_tls_files(directory: Path) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1/localhost and a client
+    certificate, all signed by the CA; PEM file paths by role."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(common_name: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+    def builder(subject: str, issuer: x509.Name, public_key: Any) -> x509.CertificateBuilder:
+        return (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(issuer)
+                .public_key(public_key).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=1)))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = (builder("otel-specdec test CA", name("otel-specdec test CA"), ca_key.public_key())
+               .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+               .sign(ca_key, hashes.SHA256()))
+    files: dict[str, str] = {}
+
+    def write(role: str, data: bytes) -> None:
+        path = directory / f"{role}.pem"
+        path.write_bytes(data)
+        files[role] = str(path)
+
+    write("ca", ca_cert.public_bytes(serialization.Encoding.PEM))
+    for role, usage, sans in (
+        ("server", ExtendedKeyUsageOID.SERVER_AUTH,
+         [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+        ("client", ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("otel-specdec-client")]),
+    ):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (builder(role, ca_cert.subject, key.public_key())
+                .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+                .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        write(f"{role}_cert", cert.public_bytes(serialization.Encoding.PEM))
+        write(f"{role}_key", key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))
+    return files
+
+
+class EngineChild:
+    """``otel_specdec._engine_run`` in a child process, paused between phases.
+
+    At each pause the child reports vLLM's counters so far; ``proceed()``
+    lets it generate the next phase; ``result()`` waits for the end.
+    """
+
+    def __init__(self, config: dict[str, Any], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "otel_specdec._engine_run", json.dumps(config)],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.stderr: list[str] = []
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+
+    def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def _next_marked_line(self) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith((PHASE_PREFIX, RESULT_PREFIX)):
+                return line
+        raise RuntimeError(f"engine child ended early: {''.join(self.stderr)[-6000:]}")
+
+    def wait_pause(self) -> dict[str, Any]:
+        """vLLM's counters at the pause."""
+        line = self._next_marked_line()
+        assert line.startswith(PHASE_PREFIX), line
+        return json.loads(line[len(PHASE_PREFIX):].split(" ", 1)[1])
+
+    def proceed(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = 300) -> dict[str, Any]:
+        line = self._next_marked_line()
+        assert line.startswith(RESULT_PREFIX), line
+        self.proc.wait(timeout=timeout)
+        return json.loads(line[len(RESULT_PREFIX):])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without OTEL_* or VLLM_PLUGINS settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("OTEL_") and k != "VLLM_PLUGINS"}
+    env.update(extra)
+    return env
