@@ -38,9 +38,22 @@ def _otlp_exporter(settings: ExportSettings) -> Any:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
             OTLPMetricExporter,
         )
+        if _http_ca_file_configured():
+            from otel_specdec._http_session import CaPinnedSession
+
+            # The CA file must win over REQUESTS_CA_BUNDLE: see _http_session.
+            return OTLPMetricExporter(timeout=settings.otlp_timeout_s, session=CaPinnedSession())
     # The timeout is passed explicitly: it was checked, and the shutdown
     # budget is derived from it. Everything else the exporter reads itself.
     return OTLPMetricExporter(timeout=settings.otlp_timeout_s)
+
+
+def _http_ca_file_configured() -> bool:
+    """A CA file is set and no credential provider supplies its own session."""
+    has_ca = any(env_value(f"OTEL_EXPORTER_OTLP{part}_CERTIFICATE") for part in ("", "_METRICS"))
+    providers = ("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
+                 "OTEL_PYTHON_EXPORTER_OTLP_HTTP_METRICS_CREDENTIAL_PROVIDER")
+    return has_ca and not any(env_value(name) for name in providers)
 
 
 def _exporter(name: str, settings: ExportSettings) -> Any:

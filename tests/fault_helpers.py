@@ -75,7 +75,16 @@ def make_tls_files(directory: Path) -> dict[str, str]:
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (builder("otel-specdec test CA", name("otel-specdec test CA"), ca_key.public_key())
                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+               .add_extension(x509.KeyUsage(
+                   digital_signature=False, content_commitment=False, key_encipherment=False,
+                   data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                   crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+               .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
+                              critical=False)
                .sign(ca_key, hashes.SHA256()))
+    # Strict verifiers (OpenSSL's X509_STRICT, used by urllib3 2) want the
+    # extensions a real CA has: key usage and key identifiers.
+    ca_key_id = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
     files: dict[str, str] = {}
 
     def write(role: str, data: bytes) -> None:
@@ -93,6 +102,7 @@ def make_tls_files(directory: Path) -> dict[str, str]:
         cert = (builder(role, ca_cert.subject, key.public_key())
                 .add_extension(x509.SubjectAlternativeName(sans), critical=False)
                 .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+                .add_extension(ca_key_id, critical=False)
                 .sign(ca_key, hashes.SHA256()))
         write(f"{role}_cert", cert.public_bytes(serialization.Encoding.PEM))
         write(f"{role}_key", key.private_bytes(

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from opentelemetry.sdk.resources import Resource
 
 from otel_specdec._engine_run import run_in_child
 from otel_specdec._receiver import OtlpReceiver
@@ -124,7 +125,12 @@ def test_both_activation_paths_do_not_double_count(tiny_model):
     # default service name, not the plugin's), with a per-process identity
     # added because the distro's resource has none.
     [series] = store.series("vllm.spec_decode.drafts")
-    assert series.resource["service.name"] == "unknown_service"
+    # The SDK's own default (its spelling differs across SDK versions).
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("OTEL_SERVICE_NAME", raising=False)
+        env.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+        sdk_default = Resource.create({}).attributes["service.name"]
+    assert series.resource["service.name"] == sdk_default != "vllm"
     assert series.resource["telemetry.sdk.language"] == "python"
     assert series.resource["service.instance.id"]
     assert series.resource["vllm.data_parallel.rank"] == 0

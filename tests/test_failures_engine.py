@@ -1,0 +1,242 @@
+"""Failure behaviour on the real engine (CPU build, tiny model, ngram), with
+real OTLP receivers on loopback that go away, come back, hang, or require
+TLS; several engine processes; the OpenAI server stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import certifi
+import pytest
+from fault_helpers import EngineChild, HangingCollector, clean_env, free_port, make_tls_files
+
+from otel_specdec._engine_run import run_in_child
+from otel_specdec._instruments import (
+    ATTR_METHOD,
+    ATTR_MODEL,
+    ATTR_NUM_SPEC_TOKENS,
+    ATTR_POSITION,
+    RES_DP_RANK,
+)
+from otel_specdec._receiver import MetricsStore, OtlpReceiver, ServerTls
+
+pytestmark = pytest.mark.engine
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+POINT_KEYS = {ATTR_MODEL, ATTR_METHOD, ATTR_NUM_SPEC_TOKENS, ATTR_POSITION}
+RESOURCE_KEYS = {"service.name", "service.instance.id", "process.pid", RES_DP_RANK,
+                 "telemetry.sdk.language", "telemetry.sdk.name", "telemetry.sdk.version"}
+
+
+def assert_nothing_from_requests(store: MetricsStore, prompts: list[str]) -> None:
+    """Only the documented keys leave the process: no prompt, token or request data."""
+    for series in store.series():
+        assert set(series.attributes) <= POINT_KEYS, series.name
+        assert set(series.resource) <= RESOURCE_KEYS, series.resource
+        values = " ".join(map(str, [*series.attributes.values(), *series.resource.values()]))
+        assert not any(p[:20] in values for p in prompts)
+
+
+def wait_for_totals(store: MetricsStore, expected: dict, timeout: float = 20) -> None:
+    reached = store.wait_for(lambda: store.spec_decode_totals() == expected, timeout)
+    assert reached, (store.spec_decode_totals(), expected)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_collector_down_at_start_then_restarted_totals_equal_vllm(tiny_model, protocol):
+    grpc_port, http_port = free_port(), free_port()
+    endpoint = f"http://127.0.0.1:{grpc_port if protocol == 'grpc' else http_port}"
+    child = EngineChild(
+        {"model": tiny_model, "speculative_config": NGRAM, "phases": 4, "max_tokens": 32},
+        clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL=protocol,
+                  OTEL_METRIC_EXPORT_INTERVAL="300", OTEL_EXPORTER_OTLP_TIMEOUT="2"),
+    )
+    try:
+        # Phase 0 ran with nothing listening; the collector now starts.
+        counted = child.wait_pause()
+        first = OtlpReceiver(grpc_port=grpc_port, http_port=http_port).start()
+        wait_for_totals(first.store, counted)
+        child.proceed()
+        # Phase 1 ran with the collector up; it now goes away for phase 2.
+        counted = child.wait_pause()
+        wait_for_totals(first.store, counted)
+        first.stop()
+        child.proceed()
+        # Phase 2 ran with the collector down; a new one (empty) starts.
+        counted = child.wait_pause()
+        second = OtlpReceiver(grpc_port=grpc_port, http_port=http_port).start()
+        wait_for_totals(second.store, counted)
+        child.proceed()
+        result = child.result()
+        second.stop()
+    finally:
+        child.kill()
+    assert result["vllm"]["drafts"] > counted["drafts"] > 0
+    # Cumulative totals after the outage: complete, nothing lost or doubled.
+    assert second.store.spec_decode_totals() == result["vllm"]
+    length = second.store.histogram_total("vllm.spec_decode.acceptance_length")
+    assert length.count == result["vllm"]["drafts"]
+    assert_nothing_from_requests(second.store, [])
+
+
+def _timed_run(model: str, endpoint: str, protocol: str = "grpc") -> dict:
+    # In-process engine: no vLLM process manager that would kill a slow
+    # engine after its 5 s grace, so the plugin's own bound is what is seen.
+    env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL=protocol,
+                    OTEL_METRIC_EXPORT_INTERVAL="500", OTEL_EXPORTER_OTLP_TIMEOUT="2",
+                    VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    config = {"model": model, "speculative_config": NGRAM, "max_tokens": 64, "phases": 1}
+    start = time.perf_counter()
+    result = run_in_child(config, env, timeout=300)
+    result["wall_seconds"] = time.perf_counter() - start
+    return result
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_hung_collector_neither_slows_generation_nor_delays_shutdown(tiny_model, protocol):
+    with OtlpReceiver() as receiver:
+        normal = _timed_run(tiny_model, receiver.endpoint(protocol), protocol)
+        assert receiver.store.spec_decode_totals() == normal["vllm"]
+    with HangingCollector() as hung:
+        stuck = _timed_run(tiny_model, f"http://127.0.0.1:{hung.port}", protocol)
+        assert hung.accepted  # the exporter did connect, and got no answer
+    assert stuck["token_ids"] == normal["token_ids"]
+    # Generation: exports run on the reader's thread, waiting on the network.
+    # A blocked step would wait 2 s (the export timeout) per step, i.e. drop
+    # throughput by orders of magnitude; the bound leaves room for noise.
+    rate = [r["output_tokens"][0] / r["gen_seconds"][0] for r in (normal, stuck)]
+    assert rate[1] >= 0.5 * rate[0], rate
+    # Shutdown: one final export, bounded by the 2 s export timeout.
+    delay = stuck["shutdown_seconds"] - normal["shutdown_seconds"]
+    assert delay <= 2.0 + 2.0, (stuck["shutdown_seconds"], normal["shutdown_seconds"])
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory) -> dict[str, str]:
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.mark.parametrize(("protocol", "mutual"), [("grpc", False), ("http/protobuf", True),
+                                                  ("grpc", True)])
+def test_tls_with_ca_file_and_client_certificates(tiny_model, tls_files, protocol, mutual):
+    tls = ServerTls(tls_files["server_cert"], tls_files["server_key"],
+                    client_ca_file=tls_files["ca"] if mutual else None)
+    # Many container images set REQUESTS_CA_BUNDLE; the configured CA file
+    # must still be the one that verifies the collector.
+    env = {"OTEL_EXPORTER_OTLP_CERTIFICATE": tls_files["ca"],
+           "REQUESTS_CA_BUNDLE": certifi.where(), "CURL_CA_BUNDLE": certifi.where()}
+    if mutual:
+        env.update(OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE=tls_files["client_cert"],
+                   OTEL_EXPORTER_OTLP_CLIENT_KEY=tls_files["client_key"])
+    with OtlpReceiver(tls=tls) as receiver:
+        endpoint = receiver.endpoint(protocol)
+        assert endpoint.startswith("https://")
+        result = run_in_child(
+            {"model": tiny_model, "speculative_config": NGRAM},
+            clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL=protocol,
+                      **env), timeout=420)
+        assert receiver.store.spec_decode_totals() == result["vllm"]
+
+
+def test_bad_endpoint_engine_runs_on_with_one_line(tiny_model):
+    result = run_in_child(
+        {"model": tiny_model, "speculative_config": NGRAM},
+        clean_env(OTEL_EXPORTER_OTLP_ENDPOINT="http://collector:43l7"), timeout=420)
+    assert result["vllm"]["drafts"] > 0 and result["token_ids"]
+    lines = [line for line in result["stderr"].splitlines() if "otel_specdec" in line]
+    assert len(lines) == 1, lines
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" in lines[0] and "43l7" in lines[0]
+
+
+def test_two_engine_processes_export_distinct_series(tiny_model):
+    """Two engines on one host under ``opentelemetry-instrument``, whose
+    resource has no per-process identity: the plugin adds one."""
+    launcher = (str(Path(sys.executable).with_name("opentelemetry-instrument")),)
+    prompts = [["the quick brown fox jumps over the lazy dog the quick brown fox"],
+               ["one two three four five one two three four five one two"]]
+    with OtlpReceiver() as receiver:
+        env = clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint("grpc"),
+                        OTEL_SERVICE_NAME="vllm-fleet", OTEL_TRACES_EXPORTER="none",
+                        OTEL_LOGS_EXPORTER="none", OTEL_METRICS_EXPORTER="otlp")
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(
+                lambda p: run_in_child({"model": tiny_model, "speculative_config": NGRAM,
+                                        "prompts": p}, env, launcher=launcher, timeout=420),
+                prompts))
+        store = receiver.store
+    series = store.series("vllm.spec_decode.drafts")
+    instances = {s.resource["service.instance.id"] for s in series}
+    assert len(series) == len(instances) == 2
+    assert {s.resource["service.name"] for s in series} == {"vllm-fleet"}
+    # A backend summing the series gets the exact total of both engines.
+    for key in ("drafts", "draft_tokens", "accepted_tokens"):
+        assert store.spec_decode_totals()[key] == sum(r["vllm"][key] for r in results)
+
+
+def _prometheus_counters(text: str) -> dict:
+    def value(name: str, labels: str = "") -> int:
+        pattern = rf"^{re.escape(name)}_total\{{[^}}]*{labels}[^}}]*\}} ([0-9.e+]+)$"
+        return sum(int(float(v)) for v in re.findall(pattern, text, re.MULTILINE))
+
+    per_pos = []
+    while value("vllm:spec_decode_num_accepted_tokens_per_pos", f'position="{len(per_pos)}"') \
+            or f'position="{len(per_pos)}"' in text:
+        per_pos.append(value("vllm:spec_decode_num_accepted_tokens_per_pos",
+                             f'position="{len(per_pos)}"'))
+    return {"drafts": value("vllm:spec_decode_num_drafts"),
+            "draft_tokens": value("vllm:spec_decode_num_draft_tokens"),
+            "accepted_tokens": value("vllm:spec_decode_num_accepted_tokens"),
+            "accepted_per_pos": per_pos}
+
+
+def test_api_server_sigterm_flushes_the_last_interval(tiny_model):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with OtlpReceiver() as receiver:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
+             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
+             "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.15",
+             "--speculative-config", json.dumps(NGRAM)],
+            env=clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint("grpc")),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                assert server.poll() is None, server.stderr.read()[-4000:]
+                try:
+                    urllib.request.urlopen(f"{base}/health", timeout=2)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, "server did not become healthy"
+                    time.sleep(1)
+            for prompt in ("one two three one two three one two", "the lazy dog the lazy dog"):
+                body = json.dumps({"model": tiny_model, "prompt": prompt, "max_tokens": 32,
+                                   "temperature": 0}).encode()
+                request = urllib.request.Request(f"{base}/v1/completions", body,
+                                                 {"Content-Type": "application/json"})
+                urllib.request.urlopen(request, timeout=120).read()
+            vllm = _prometheus_counters(
+                urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode())
+            # The default 60 s interval has not elapsed: only the flush at
+            # shutdown can deliver these counts.
+            assert receiver.store.spec_decode_totals()["drafts"] == 0
+            stopped = time.monotonic()
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=60)
+            assert time.monotonic() - stopped < 30
+        finally:
+            if server.poll() is None:
+                server.kill()
+        assert vllm["drafts"] > 0
+        assert receiver.store.spec_decode_totals() == vllm
