@@ -18,7 +18,8 @@ Target: ``vllm.v1.core.sched.scheduler.Scheduler`` (subclasses such as
   bounded by the export timeout, well inside vLLM's grace period before it
   kills an engine process); otherwise the provider is flushed. Engine-core
   processes started by fork end without running exit hooks, so this is
-  where the last interval's counts leave the process.
+  where the last interval's counts leave the process. The front end's
+  process manager gives it the time to (``_shutdown_grace``).
 
 Why patch: vLLM exposes these numbers only to its Prometheus and logging
 stat loggers, and only when stats logging is on. Removable when vLLM offers
@@ -39,7 +40,7 @@ from typing import Any
 
 from wrapt import wrap_function_wrapper
 
-from otel_specdec import _runtime, _vllm_compat
+from otel_specdec import _runtime, _shutdown_grace, _vllm_compat
 from otel_specdec._accounting import StepAccountant
 
 __all__ = ["install", "uninstall", "is_installed"]
@@ -190,6 +191,8 @@ def install() -> bool:
                 continue
             wrap_function_wrapper(scheduler_cls, method, _WRAPPERS[method])
             _wrapped_methods.append(method)
+        if "shutdown" in _wrapped_methods:
+            _shutdown_grace.install()
         _installed_on = scheduler_cls
         return True
 
@@ -204,5 +207,6 @@ def uninstall() -> None:
         for method in _wrapped_methods:
             unwrap(_installed_on, method)
         _wrapped_methods.clear()
+        _shutdown_grace.uninstall()
         _installed_on = None
     _runtime.shutdown()

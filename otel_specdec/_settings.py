@@ -26,7 +26,10 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-__all__ = ["ConfigError", "ExportSettings", "env_value", "read_settings", "redact_url"]
+__all__ = [
+    "ConfigError", "ExportSettings", "env_value", "final_export_budget_s", "read_settings",
+    "redact_url",
+]
 
 _logger = logging.getLogger(__name__)
 
@@ -188,7 +191,7 @@ def _check_files() -> None:
                           "(OTEL_EXPORTER_OTLP[_METRICS]_CLIENT_KEY)")
 
 
-def _positive_number(variable: str, default: float, unit: str) -> float:
+def _positive_number(variable: str, default: float, unit: str, report: bool = True) -> float:
     raw = env_value(variable)
     if raw is None:
         return default
@@ -197,6 +200,8 @@ def _positive_number(variable: str, default: float, unit: str) -> float:
     except ValueError:
         value = math.nan
     if not (value > 0 and math.isfinite(value)):
+        if not report:
+            return default
         _logger.error(
             "otel_specdec: %s=%r is not valid: expected a positive number of %s; using %g",
             variable, raw, unit, default,
@@ -205,12 +210,18 @@ def _positive_number(variable: str, default: float, unit: str) -> float:
     return value
 
 
-def _otlp_timeout() -> float:
+def _otlp_timeout(report: bool = True) -> float:
     setting = _otlp("TIMEOUT")
     if setting is None:
         return DEFAULT_OTLP_TIMEOUT_S
     variable, _ = setting
-    return _positive_number(variable, DEFAULT_OTLP_TIMEOUT_S, "seconds")
+    return _positive_number(variable, DEFAULT_OTLP_TIMEOUT_S, "seconds", report)
+
+
+def final_export_budget_s() -> float:
+    """The engine's final-export budget, as a process that does not export
+    (the API server) can tell it: no checks, no log lines."""
+    return _otlp_timeout(report=False)
 
 
 def read_settings() -> ExportSettings:

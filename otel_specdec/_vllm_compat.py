@@ -207,3 +207,28 @@ def step_inputs(
         # Without the row order the exact path is used.
         getattr(model_runner_output, "req_ids", None),
     )
+
+
+# The front end's manager of engine-core processes (API server, LLM): it
+# stops them with SIGTERM and SIGKILLs those still alive after a timeout.
+PROCESS_MANAGER_MODULE = "vllm.v1.engine.utils"
+PROCESS_MANAGER_CLASS = "CoreEngineProcManager"
+
+
+def process_manager_class() -> type | None:
+    """``CoreEngineProcManager`` if it has the ``shutdown(timeout)`` we extend."""
+    try:
+        import importlib
+
+        module = importlib.import_module(PROCESS_MANAGER_MODULE)
+    except Exception:
+        return None
+    cls = getattr(module, PROCESS_MANAGER_CLASS, None)
+    if cls is None or not has_method(cls, "shutdown") or not has_method(cls, "__init__"):
+        return None
+    return cls
+
+
+def speculates(vllm_config: Any) -> bool:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return spec is not None and int(getattr(spec, "num_speculative_tokens", 0) or 0) > 0

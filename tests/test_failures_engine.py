@@ -120,6 +120,22 @@ def test_hung_collector_neither_slows_generation_nor_delays_shutdown(tiny_model,
     assert delay <= 2.0 + 2.0, (stuck["shutdown_seconds"], normal["shutdown_seconds"])
 
 
+@pytest.mark.parametrize(("drop", "multiprocessing"),
+                         [("del", "1"), ("scope", "1"), ("scope", "0")])
+def test_last_interval_is_flushed_when_the_llm_goes(tiny_model, drop, multiprocessing):
+    """``del llm`` or the LLM going out of scope, with the engine core in its
+    own process or in this one: no periodic export runs within the run, so
+    every count the receiver has came with the final flush."""
+    with OtlpReceiver() as receiver:
+        result = run_in_child(
+            {"model": tiny_model, "speculative_config": NGRAM, "drop": drop},
+            clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint("grpc"),
+                      OTEL_METRIC_EXPORT_INTERVAL="600000",
+                      VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing), timeout=420)
+        assert result["vllm"]["drafts"] > 0
+        wait_for_totals(receiver.store, result["vllm"], timeout=10)
+
+
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory) -> dict[str, str]:
     return make_tls_files(tmp_path_factory.mktemp("tls"))

@@ -1,0 +1,111 @@
+"""The patch that lets a speculative engine export its last interval.
+
+Target: ``vllm.v1.engine.utils.CoreEngineProcManager`` (``__init__`` and
+``shutdown``), in the front-end process (the API server, or the process
+that created ``LLM``), which starts and stops the engine-core processes.
+
+Why: the engine core exports its last interval from
+``Scheduler.shutdown``, which runs when the process leaves its busy loop
+after SIGTERM. vLLM's API server stops its engines with
+``shutdown(timeout=shutdown_timeout)``, 0 by default, and the process
+manager then sends SIGKILL right after SIGTERM: the engine never reaches
+its shutdown path and the counts since the last periodic export are lost.
+``LLM`` gets vLLM's 5 s grace, shorter than the OTLP export timeout.
+
+How: for a manager whose engine speculates, ``shutdown`` waits up to
+``timeout + final-export budget + teardown margin`` before it SIGKILLs.
+The wait ends as soon as the engine exits; vLLM's own draining rule
+(``shutdown_timeout``) is unchanged, because the engine decides by itself
+whether to abort or drain. Nothing changes for non-speculative engines.
+
+Removable when vLLM gives engine processes a grace period to run their
+shutdown path after SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from wrapt import wrap_function_wrapper
+
+from otel_specdec import _settings, _vllm_compat
+
+__all__ = ["install", "uninstall"]
+
+_logger = logging.getLogger(__name__)
+
+_GRACE_ATTR = "_otel_specdec_grace_s"
+# Engine teardown before the scheduler's shutdown runs (executor, workers).
+_TEARDOWN_MARGIN_S = 5.0
+# vLLM's own grace when no timeout is given.
+_VLLM_DEFAULT_GRACE_S = 5.0
+
+_patched: type | None = None
+
+
+def _vllm_config_of(args: Any, kwargs: Any) -> Any:
+    if "vllm_config" in kwargs:
+        return kwargs["vllm_config"]
+    # (local_engine_count, start_index, local_start_index, vllm_config, ...)
+    return args[3] if len(args) > 3 else None
+
+
+def _init_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    grace = None
+    try:
+        if _vllm_compat.speculates(_vllm_config_of(args, kwargs)):
+            grace = _settings.final_export_budget_s() + _TEARDOWN_MARGIN_S
+    except Exception:
+        _logger.debug("otel_specdec: could not read the engine's config", exc_info=True)
+    # Set before the host's __init__, whose failure path calls shutdown.
+    try:
+        instance.__dict__[_GRACE_ATTR] = grace
+    except Exception:
+        pass
+    return wrapped(*args, **kwargs)
+
+
+def _extended_timeout(instance: Any, args: Any, kwargs: Any) -> float | None:
+    """The timeout to pass instead of the host's, or None to leave it."""
+    grace = instance.__dict__.get(_GRACE_ATTR)
+    if grace is None or len(args) + len(kwargs) > 1 or (kwargs and "timeout" not in kwargs):
+        return None
+    timeout = args[0] if args else kwargs.get("timeout")
+    return max(_VLLM_DEFAULT_GRACE_S, float(timeout or 0.0) + grace)
+
+
+def _shutdown_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    try:
+        extended = _extended_timeout(instance, args, kwargs)
+    except Exception:
+        _logger.debug("otel_specdec: shutdown grace not applied", exc_info=True)
+        extended = None
+    if extended is None:
+        return wrapped(*args, **kwargs)
+    return wrapped(timeout=extended)
+
+
+def install() -> None:
+    """Patch the process manager once; silently skipped where it differs."""
+    global _patched
+    if _patched is not None:
+        return
+    cls = _vllm_compat.process_manager_class()
+    if cls is None:
+        _logger.debug("otel_specdec: %s not found; no shutdown grace",
+                      _vllm_compat.PROCESS_MANAGER_CLASS)
+        return
+    wrap_function_wrapper(cls, "__init__", _init_wrapper)
+    wrap_function_wrapper(cls, "shutdown", _shutdown_wrapper)
+    _patched = cls
+
+
+def uninstall() -> None:
+    global _patched
+    from opentelemetry.instrumentation.utils import unwrap
+
+    if _patched is not None:
+        unwrap(_patched, "__init__")
+        unwrap(_patched, "shutdown")
+        _patched = None
