@@ -192,8 +192,8 @@ def _histogram_point(
     bounds: tuple[float, ...],
     counts: list[int],
     total: float,
-    minimum: float,
-    maximum: float,
+    minimum: float | None,
+    maximum: float | None,
     start_ns: int,
     now_ns: int,
 ) -> HistogramDataPoint:
@@ -212,20 +212,29 @@ def _histogram_point(
 
 def _length_point(
     entry: SpecDecodeTotals, hist: list[int], start_ns: int, now_ns: int
-) -> HistogramDataPoint | None:
+) -> HistogramDataPoint:
     """Acceptance length = 1 + accepted; ``hist[a]`` counts drafts with ``a``."""
-    if not any(hist):
-        return None
     k = max(entry.num_speculative_tokens, len(hist) - 1)
     bounds = names.acceptance_length_bounds(k)
     # Value 1 + a falls in the bucket whose upper bound is 1 + a: index a.
     counts = list(hist) + [0] * (len(bounds) + 1 - len(hist))
     nonzero = [a for a, c in enumerate(hist) if c]
     total = float(sum((1 + a) * c for a, c in enumerate(hist)))
-    return _histogram_point(
-        entry.attributes, bounds, counts, total, 1.0 + nonzero[0], 1.0 + nonzero[-1],
-        start_ns, now_ns,
-    )
+    low, high = (1.0 + nonzero[0], 1.0 + nonzero[-1]) if nonzero else (None, None)
+    return _histogram_point(entry.attributes, bounds, counts, total, low, high, start_ns, now_ns)
+
+
+def _histogram_temporality(reader: MetricReader) -> AggregationTemporality:
+    """The temporality ``reader`` uses for histograms.
+
+    The SDK keys its table by its private instrument classes (subclasses of
+    the public ``Histogram``), whatever class the preference named.
+    """
+    table = getattr(reader, "_instrument_class_temporality", {})
+    for cls, temporality in table.items():
+        if isinstance(cls, type) and issubclass(cls, SdkHistogram):
+            return temporality
+    return AggregationTemporality.CUMULATIVE
 
 
 class _ReaderState:
@@ -268,9 +277,7 @@ class HistogramInjector:
             return
         original = reader._receive_metrics
         original = getattr(original, _ORIGINAL_ATTR, original)
-        temporality = getattr(reader, "_instrument_class_temporality", {}).get(
-            SdkHistogram, AggregationTemporality.CUMULATIVE
-        )
+        temporality = _histogram_temporality(reader)
         state = _ReaderState(temporality, time.time_ns())
         self._registry.add_rate_tracker(id(state))
         pid = os.getpid()
@@ -328,10 +335,12 @@ class HistogramInjector:
                     rate_buckets = _minus(rate_buckets, prev.rate_buckets)
                     rate_sum -= prev.rate_sum
                 state.last[id(entry)] = snap
-            point = _length_point(entry, length_hist, start_ns, now_ns)
-            if point is not None:
-                lengths.append(point)
-            if any(rate_buckets):
+            # A cumulative series exists from the engine's start, at zero,
+            # like the counters: Prometheus' rate() then sees the first
+            # increase. Delta points are sent only for intervals with data.
+            if any(length_hist) or not delta:
+                lengths.append(_length_point(entry, length_hist, start_ns, now_ns))
+            if any(rate_buckets) or not delta:
                 minimum, maximum = self._rate_min_max(tracker, delta)
                 rates.append(
                     _histogram_point(
@@ -359,13 +368,13 @@ class HistogramInjector:
         return out
 
     @staticmethod
-    def _rate_min_max(tracker: list[float], delta: bool) -> tuple[float, float]:
+    def _rate_min_max(tracker: list[float], delta: bool) -> tuple[float | None, float | None]:
         """Min/max since the reader's last collection (delta) or ever (cumulative)."""
         minimum, maximum = tracker
         if delta:
             tracker[0], tracker[1] = float("inf"), float("-inf")
         if minimum > maximum:  # no request finished in this interval
-            minimum = maximum = 0.0
+            return None, None
         return minimum, maximum
 
     def _rewrite(self, metrics_data: MetricsData, state: _ReaderState) -> MetricsData:

@@ -56,6 +56,15 @@ def _http_ca_file_configured() -> bool:
     return has_ca and not any(env_value(name) for name in providers)
 
 
+def _prometheus_reader(settings: ExportSettings, data_parallel_rank: int) -> MetricReader:
+    from otel_specdec._prometheus_reader import ServedPrometheusReader
+
+    # One port per data-parallel engine process on a host.
+    return ServedPrometheusReader(
+        settings.prometheus_host, settings.prometheus_port + data_parallel_rank
+    )
+
+
 def _exporter(name: str, settings: ExportSettings) -> Any:
     if name == "otlp":
         return _otlp_exporter(settings)
@@ -93,14 +102,24 @@ def build_meter_provider(
 
     if not settings.exporters:
         return None
-    readers = [
-        PeriodicExportingMetricReader(
-            _exporter(name, settings),
-            export_interval_millis=settings.interval_ms,
-            export_timeout_millis=settings.export_timeout_ms,
-        )
-        for name in settings.exporters
-    ]
+    # The pull reader first: it may fail to bind its port, and nothing
+    # else has started a thread yet.
+    readers: list[MetricReader] = []
+    if "prometheus" in settings.exporters:
+        readers.append(_prometheus_reader(settings, data_parallel_rank))
+    try:
+        readers += [
+            PeriodicExportingMetricReader(
+                _exporter(name, settings),
+                export_interval_millis=settings.interval_ms,
+                export_timeout_millis=settings.export_timeout_ms,
+            )
+            for name in settings.exporters if name != "prometheus"
+        ]
+    except Exception:
+        for reader in readers:
+            reader.shutdown()
+        raise
     return MeterProvider(
         metric_readers=readers, resource=build_resource(data_parallel_rank),
         shutdown_on_exit=False,

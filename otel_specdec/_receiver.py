@@ -81,6 +81,8 @@ class _Series:
     kind: str
     attributes: dict[str, Any]
     value: Any = None
+    # Temporality of the last point received (sums and histograms).
+    delta: bool = False
 
 
 class MetricsStore:
@@ -113,12 +115,14 @@ class MetricsStore:
                 value = point.as_int if point.WhichOneof("value") == "as_int" else point.as_double
                 series = self._get(resource, scope, metric, kind, point)
                 series.value = (series.value or 0) + value if delta else value
+                series.delta = delta
         elif kind == "histogram":
             delta = metric.histogram.aggregation_temporality == _DELTA
             for point in metric.histogram.data_points:
                 series = self._get(resource, scope, metric, kind, point)
                 if not delta or series.value is None:
                     series.value = HistogramTotal()
+                series.delta = delta
                 series.value.merge(HistogramTotal(
                     point.count, point.sum, list(point.bucket_counts),
                     list(point.explicit_bounds),

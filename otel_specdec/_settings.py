@@ -34,13 +34,15 @@ __all__ = [
 _logger = logging.getLogger(__name__)
 
 PROTOCOLS = ("grpc", "http/protobuf")
-EXPORTERS = ("otlp", "console", "none")
+EXPORTERS = ("otlp", "prometheus", "console", "none")
 COMPRESSIONS = ("gzip", "deflate", "none")
 
 DEFAULT_PROTOCOL = "grpc"
 DEFAULT_OTLP_TIMEOUT_S = 10.0
 DEFAULT_INTERVAL_MS = 60_000.0
 DEFAULT_EXPORT_TIMEOUT_MS = 30_000.0
+DEFAULT_PROMETHEUS_HOST = "localhost"
+DEFAULT_PROMETHEUS_PORT = 9464
 
 # RFC 9110 token characters: what a header name may hold.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -64,6 +66,10 @@ class ExportSettings:
     otlp_timeout_s: float
     interval_ms: float
     export_timeout_ms: float
+    # Where the engine serves /metrics with OTEL_METRICS_EXPORTER=prometheus;
+    # each data-parallel rank adds its rank to the port.
+    prometheus_host: str = DEFAULT_PROMETHEUS_HOST
+    prometheus_port: int = DEFAULT_PROMETHEUS_PORT
 
     @property
     def final_export_budget_ms(self) -> float:
@@ -106,6 +112,26 @@ def _exporters() -> tuple[str, ...]:
         if name not in EXPORTERS:
             raise ConfigError("OTEL_METRICS_EXPORTER", repr(raw), " or ".join(EXPORTERS))
     return tuple(name for name in chosen if name != "none")
+
+
+def _check_prometheus_package() -> None:
+    try:
+        import opentelemetry.exporter.prometheus  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "OTEL_METRICS_EXPORTER", "prometheus",
+            "an installed opentelemetry-exporter-prometheus "
+            "(pip install 'otel-specdec[prometheus]')",
+        ) from None
+
+
+def _prometheus_port() -> int:
+    raw = env_value("OTEL_EXPORTER_PROMETHEUS_PORT")
+    if raw is None:
+        return DEFAULT_PROMETHEUS_PORT
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise ConfigError("OTEL_EXPORTER_PROMETHEUS_PORT", repr(raw), "a port number, 1-65535")
+    return int(raw)
 
 
 def _protocol() -> str:
@@ -234,6 +260,8 @@ def read_settings() -> ExportSettings:
         _check_boolean("INSECURE")
         _check_compression()
         _check_files()
+    if "prometheus" in exporters:
+        _check_prometheus_package()
     return ExportSettings(
         exporters=exporters,
         protocol=protocol,
@@ -242,4 +270,7 @@ def read_settings() -> ExportSettings:
             "OTEL_METRIC_EXPORT_INTERVAL", DEFAULT_INTERVAL_MS, "milliseconds"),
         export_timeout_ms=_positive_number(
             "OTEL_METRIC_EXPORT_TIMEOUT", DEFAULT_EXPORT_TIMEOUT_MS, "milliseconds"),
+        prometheus_host=env_value("OTEL_EXPORTER_PROMETHEUS_HOST") or DEFAULT_PROMETHEUS_HOST,
+        prometheus_port=_prometheus_port() if "prometheus" in exporters
+        else DEFAULT_PROMETHEUS_PORT,
     )

@@ -136,6 +136,17 @@ def _is_async(scheduler: Any) -> bool:
     return isinstance(scheduler, AsyncScheduler)
 
 
+def data_parallel_rank(parallel_config: Any) -> int:
+    """The engine's DP rank. vLLM >= ~0.11 resets ``data_parallel_rank`` to 0
+    in each independent (non-MoE) DP engine and keeps the real one in
+    ``data_parallel_index``."""
+    for field in ("data_parallel_index", "data_parallel_rank"):
+        value = getattr(parallel_config, field, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
 def engine_info(scheduler: Any) -> EngineInfo | None:
     """Describe a scheduler's engine, or None when it does not speculate."""
     vllm_config = scheduler.vllm_config
@@ -149,7 +160,7 @@ def engine_info(scheduler: Any) -> EngineInfo | None:
         model=_served_model_name(vllm_config.model_config),
         method=str(getattr(spec, "method", None) or "unknown"),
         num_speculative_tokens=k,
-        data_parallel_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+        data_parallel_rank=data_parallel_rank(parallel),
         num_sampled_per_step=int(getattr(scheduler, "num_sampled_tokens_per_step", 1)),
         async_scheduling=is_async,
         steps_in_flight=int(is_async)

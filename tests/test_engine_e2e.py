@@ -64,6 +64,20 @@ def assert_totals_equal_vllm(result: dict, store, own_provider: bool = True) -> 
         assert series.resource["service.instance.id"]
 
 
+def test_delta_temporality_totals_equal_vllm(tiny_model):
+    """Delta export (for backends that want it), many intervals within the
+    run: the deltas add up to vLLM's counters, histograms included."""
+    result, store = run_with_receiver(
+        {"model": tiny_model, "speculative_config": NGRAM}, "grpc",
+        OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE="delta",
+        OTEL_METRIC_EXPORT_INTERVAL="200")
+    assert_totals_equal_vllm(result, store)
+    assert store.requests > 2
+    for name in ("vllm.spec_decode.drafts", "vllm.spec_decode.accepted_tokens",
+                 "vllm.spec_decode.acceptance_length", "vllm.spec_decode.request.acceptance_rate"):
+        assert store.series(name) and all(s.delta for s in store.series(name)), name
+
+
 @pytest.fixture(scope="module")
 def ngram_grpc(tiny_model):
     return run_with_receiver({"model": tiny_model, "speculative_config": NGRAM}, "grpc")
