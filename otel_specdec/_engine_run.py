@@ -75,7 +75,8 @@ def _generate(llm: Any, config: dict[str, Any], result: dict[str, Any]) -> None:
 
     Between rounds the child prints ``PHASE_PREFIX <n> <vLLM's counters as
     JSON>`` and waits for a line on stdin, so a test can change the world (start or stop a
-    collector) while the engine is up.
+    collector) while the engine is up. ``config["hold"]`` pauses also before
+    the first round and after the last (the engine idle, still serving).
     """
     from vllm import SamplingParams
 
@@ -84,16 +85,23 @@ def _generate(llm: Any, config: dict[str, Any], result: dict[str, Any]) -> None:
     prompts = config.get("prompts") or DEFAULT_PROMPTS
     result_has_counters = not config.get("disable_log_stats", False)
     result["gen_seconds"], result["output_tokens"] = [], []
+    hold = config.get("hold", False)
+
+    def pause(phase: int) -> None:
+        counters = json.dumps(vllm_counters(llm)) if result_has_counters else "{}"
+        print(f"{PHASE_PREFIX}{phase} {counters}", flush=True)
+        sys.stdin.readline()
+
     for phase in range(config.get("phases", 1)):
-        if phase:
-            counters = json.dumps(vllm_counters(llm)) if result_has_counters else "{}"
-            print(f"{PHASE_PREFIX}{phase} {counters}", flush=True)
-            sys.stdin.readline()
+        if phase or hold:
+            pause(phase)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         result["gen_seconds"].append(time.perf_counter() - start)
         result["output_tokens"].append(sum(len(o.outputs[0].token_ids) for o in outputs))
         result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+    if hold:
+        pause(config.get("phases", 1))
     if result_has_counters:
         result["vllm"] = vllm_counters(llm)
 
