@@ -7,10 +7,14 @@ import datetime
 import ipaddress
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +172,80 @@ def clean_env(**extra: str) -> dict[str, str]:
            if not k.startswith("OTEL_") and k != "VLLM_PLUGINS"}
     env.update(extra)
     return env
+
+
+class ApiServer:
+    """vLLM's OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``:
+    the ``vllm serve`` script fails with the CPU build's distribution name)."""
+
+    def __init__(self, model: str, speculative_config: dict[str, Any], env: dict[str, str],
+                 *extra_args: str) -> None:
+        self.model = model
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+             "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "512",
+             "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.15",
+             "--speculative-config", json.dumps(speculative_config), *extra_args],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        self.stderr: list[str] = []
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+
+    def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return "".join(self.stderr)[-chars:]
+
+    def wait_healthy(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, self.log_tail()
+            try:
+                urllib.request.urlopen(f"{self.base}/health", timeout=2)
+                return
+            except OSError:
+                assert time.monotonic() < deadline, "server did not become healthy"
+                time.sleep(1)
+
+    def complete(self, prompt: str, max_tokens: int = 32, **fields: Any) -> dict[str, Any]:
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0, **fields}).encode()
+        request = urllib.request.Request(f"{self.base}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(request, timeout=120).read())
+
+    def metrics_text(self) -> str:
+        return urllib.request.urlopen(f"{self.base}/metrics", timeout=10).read().decode()
+
+    def terminate(self, timeout: float = 60) -> float:
+        """SIGTERM, as an orchestrator stops the server; seconds until it exited."""
+        stopped = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=timeout)
+        return time.monotonic() - stopped
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def prometheus_counters(text: str) -> dict[str, Any]:
+    """vLLM's own spec-decode counters from its /metrics page, summed over engines."""
+    def value(name: str, labels: str = "") -> int:
+        pattern = rf"^{re.escape(name)}_total\{{[^}}]*{labels}[^}}]*\}} ([0-9.e+]+)$"
+        return sum(int(float(v)) for v in re.findall(pattern, text, re.MULTILINE))
+
+    per_pos: list[int] = []
+    while f'position="{len(per_pos)}"' in text:
+        per_pos.append(value("vllm:spec_decode_num_accepted_tokens_per_pos",
+                             f'position="{len(per_pos)}"'))
+    return {"drafts": value("vllm:spec_decode_num_drafts"),
+            "draft_tokens": value("vllm:spec_decode_num_draft_tokens"),
+            "accepted_tokens": value("vllm:spec_decode_num_accepted_tokens"),
+            "accepted_per_pos": per_pos}

@@ -4,19 +4,23 @@ TLS; several engine processes; the OpenAI server stopped by SIGTERM."""
 
 from __future__ import annotations
 
-import json
 import re
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import certifi
 import pytest
-from fault_helpers import EngineChild, HangingCollector, clean_env, free_port, make_tls_files
+from fault_helpers import (
+    ApiServer,
+    EngineChild,
+    HangingCollector,
+    clean_env,
+    free_port,
+    make_tls_files,
+    prometheus_counters,
+)
 
 from otel_specdec._engine_run import run_in_child
 from otel_specdec._instruments import (
@@ -198,61 +202,49 @@ def test_two_engine_processes_export_distinct_series(tiny_model):
         assert store.spec_decode_totals()[key] == sum(r["vllm"][key] for r in results)
 
 
-def _prometheus_counters(text: str) -> dict:
-    def value(name: str, labels: str = "") -> int:
-        pattern = rf"^{re.escape(name)}_total\{{[^}}]*{labels}[^}}]*\}} ([0-9.e+]+)$"
-        return sum(int(float(v)) for v in re.findall(pattern, text, re.MULTILINE))
-
-    per_pos = []
-    while value("vllm:spec_decode_num_accepted_tokens_per_pos", f'position="{len(per_pos)}"') \
-            or f'position="{len(per_pos)}"' in text:
-        per_pos.append(value("vllm:spec_decode_num_accepted_tokens_per_pos",
-                             f'position="{len(per_pos)}"'))
-    return {"drafts": value("vllm:spec_decode_num_drafts"),
-            "draft_tokens": value("vllm:spec_decode_num_draft_tokens"),
-            "accepted_tokens": value("vllm:spec_decode_num_accepted_tokens"),
-            "accepted_per_pos": per_pos}
-
-
 def test_api_server_sigterm_flushes_the_last_interval(tiny_model):
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     with OtlpReceiver() as receiver:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
-             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
-             "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.15",
-             "--speculative-config", json.dumps(NGRAM)],
-            env=clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint("grpc")),
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
+        server = ApiServer(tiny_model, NGRAM,
+                           clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint("grpc")))
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                assert server.poll() is None, server.stderr.read()[-4000:]
-                try:
-                    urllib.request.urlopen(f"{base}/health", timeout=2)
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline, "server did not become healthy"
-                    time.sleep(1)
+            server.wait_healthy()
             for prompt in ("one two three one two three one two", "the lazy dog the lazy dog"):
-                body = json.dumps({"model": tiny_model, "prompt": prompt, "max_tokens": 32,
-                                   "temperature": 0}).encode()
-                request = urllib.request.Request(f"{base}/v1/completions", body,
-                                                 {"Content-Type": "application/json"})
-                urllib.request.urlopen(request, timeout=120).read()
-            vllm = _prometheus_counters(
-                urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode())
+                server.complete(prompt)
+            vllm = prometheus_counters(server.metrics_text())
             # The default 60 s interval has not elapsed: only the flush at
             # shutdown can deliver these counts.
             assert receiver.store.spec_decode_totals()["drafts"] == 0
-            stopped = time.monotonic()
-            server.send_signal(signal.SIGTERM)
-            server.wait(timeout=60)
-            assert time.monotonic() - stopped < 30
+            assert server.terminate() < 30
         finally:
-            if server.poll() is None:
-                server.kill()
+            server.kill()
+        assert vllm["drafts"] > 0
+        assert receiver.store.spec_decode_totals() == vllm
+
+
+def test_data_parallel_engines_export_one_series_each_summing_to_vllm(tiny_model):
+    """``--data-parallel-size 2``: two engine processes, two distinct series
+    (instance id and DP rank), whose sum is vLLM's total over both engines;
+    both flushed when the server gets SIGTERM."""
+    with OtlpReceiver() as receiver:
+        server = ApiServer(tiny_model, NGRAM,
+                           clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint("grpc")),
+                           "--data-parallel-size", "2")
+        try:
+            server.wait_healthy()
+            prompts = ["one two three one two three one two", "the lazy dog the lazy dog",
+                       "a b c a b c a b c", "red green blue red green blue"]
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(server.complete, prompts))
+            vllm_text = server.metrics_text()
+            assert server.terminate() < 40
+        finally:
+            server.kill()
+        vllm = prometheus_counters(vllm_text)
+        engines = set(re.findall(r'^vllm:spec_decode_num_drafts_total\{[^}]*engine="(\d+)"',
+                                 vllm_text, re.MULTILINE))
+        assert engines == {"0", "1"}
+        series = receiver.store.series("vllm.spec_decode.drafts")
+        assert sorted(s.resource[RES_DP_RANK] for s in series) == [0, 1], server.log_tail()
+        assert len({s.resource["service.instance.id"] for s in series}) == 2
         assert vllm["drafts"] > 0
         assert receiver.store.spec_decode_totals() == vllm
