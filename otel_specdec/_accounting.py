@@ -30,14 +30,16 @@ The rules (vLLM ``Scheduler.update_from_output`` and
 from __future__ import annotations
 
 import bisect
+import sys
 import time
 from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import compress, filterfalse, repeat
 from operator import attrgetter, itemgetter
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from otel_specdec._instruments import REQUEST_RATE_BOUNDS
+from otel_specdec._request_details import RequestDetails, tail_sums
 from otel_specdec._row_tallies import RowTallies
 
 __all__ = ["SpecDecodeTotals", "StepAccountant", "TotalsSnapshot"]
@@ -77,20 +79,16 @@ class TotalsSnapshot(NamedTuple):
     rate_sum: float
 
     def accepted_per_position(self, k: int) -> list[int]:
-        return _tail_sums(self.accepted_hist, k)
+        return tail_sums(self.accepted_hist, k)
 
     def drafted_per_position(self, k: int) -> list[int]:
-        return _tail_sums(self.drafted_hist, k)
+        return tail_sums(self.drafted_hist, k)
 
 
-def _tail_sums(hist: Sequence[int], k: int) -> list[int]:
-    """``out[i]`` = number of entries with value > i, for i in 0..k-1."""
-    out = [0] * max(k, len(hist) - 1)
-    running = 0
-    for value in range(len(hist) - 1, 0, -1):
-        running += hist[value]
-        out[value - 1] = running
-    return out
+class RequestSpanSink(Protocol):
+    """Where a finished request's detail goes when tracing is on."""
+
+    def submit(self, request: Any, detail: Any, totals: SpecDecodeTotals) -> None: ...
 
 
 class SpecDecodeTotals:
@@ -111,6 +109,7 @@ class SpecDecodeTotals:
         "rate_buckets",
         "rate_sum",
         "rate_trackers",
+        "rate_exemplars",
         "start_time_ns",
     )
 
@@ -127,6 +126,11 @@ class SpecDecodeTotals:
         # Per-reader running min/max of request rates since that reader's
         # last collection (min/max cannot be derived from buckets).
         self.rate_trackers: dict[int, list[float]] = {}
+        # Per rate bucket, the latest sampled request span that landed there:
+        # (rate, time_ns, trace_id, span_id). Written by the span emitter.
+        self.rate_exemplars: list[tuple[float, int, int, int] | None] = (
+            [None] * len(self.rate_buckets)
+        )
         self.start_time_ns = time.time_ns()
 
     def grow(self, size: int) -> None:
@@ -144,6 +148,12 @@ class SpecDecodeTotals:
                 tracker[0] = rate
             if rate > tracker[1]:
                 tracker[1] = rate
+
+    def record_exemplar(self, rate: float, time_ns: int, trace_id: int, span_id: int) -> None:
+        """Link ``rate``'s bucket to the request span that produced it."""
+        self.rate_exemplars[bisect.bisect_left(REQUEST_RATE_BOUNDS, rate)] = (
+            rate, time_ns, trace_id, span_id
+        )
 
     def snapshot(self) -> TotalsSnapshot:
         return TotalsSnapshot(
@@ -182,6 +192,8 @@ class StepAccountant:
         "_freed_keep_steps",
         "_prev_sampled",
         "_step",
+        "_details",
+        "_spans",
     )
 
     def __init__(
@@ -193,6 +205,7 @@ class StepAccountant:
         track_padding: bool = True,
         steps_in_flight: int = 1,
         finished_above: int | None = None,
+        spans: RequestSpanSink | None = None,
     ) -> None:
         self.totals = totals
         # Batches smaller than this take the exact path (the vectorised
@@ -219,6 +232,11 @@ class StepAccountant:
         # Sampled tokens per row in the previous step, when it was vectorised.
         self._prev_sampled: list[int] | None = None
         self._step = 0
+        # Request spans need per-request detail, kept by the exact path only.
+        self._spans = spans
+        self._details = RequestDetails(totals.num_speculative_tokens) if spans else None
+        if spans is not None:
+            self.vectorise_from = sys.maxsize
 
     def observe_step(
         self,
@@ -265,6 +283,8 @@ class StepAccountant:
             self._prune_freed()
         if self._step % _SWEEP_EVERY_STEPS == 0:
             self._tallies.drop_missing(self._requests)
+            if self._details is not None:
+                self._details.drop_missing(self._requests)
 
     def _observe_exact(
         self,
@@ -284,6 +304,8 @@ class StepAccountant:
         num_sampled = self._num_sampled
         track_padding = self._track_padding
         finished_above = self._finished_above
+        details = self._details
+        now_ns = time.time_ns() if details is not None else 0
         padding = 0
 
         for req_id, drafts in spec_tokens.items():
@@ -321,6 +343,8 @@ class StepAccountant:
             accepted_hist[num_accepted] += 1
             drafted_hist[num_drafted] += 1
             add_tally(req_id, num_drafted, num_accepted)
+            if details is not None:
+                details.add(req_id, num_drafted, num_accepted, now_ns)
 
         if padding:
             totals.padding_tokens += padding
@@ -515,17 +539,23 @@ class StepAccountant:
                 empty += 1
         return empty
 
-    def observe_freed(self, request_id: str) -> None:
-        """Record a finished (or aborted) request's acceptance rate."""
+    def observe_freed(self, request_id: str, request: Any = None) -> None:
+        """Record a finished (or aborted) request's acceptance rate (and span)."""
         drafted, accepted = self._tallies.take(request_id)
         self._freed[request_id] = self._step
         if drafted > 0:
             self.totals.observe_request(drafted, accepted)
+        if self._details is not None:
+            detail = self._details.take(request_id)
+            if detail is not None and drafted > 0 and request is not None:
+                self._spans.submit(request, detail, self.totals)  # type: ignore[union-attr]
 
     def forget_requests(self) -> None:
         self._tallies.clear()
         self._freed.clear()
         self._prev_sampled = None
+        if self._details is not None:
+            self._details.clear()
 
 
 def _is_decoding(request: Any) -> bool:

@@ -67,3 +67,19 @@ REQUEST_RATE_BOUNDS: Final = tuple(i / 10 for i in range(11))
 def acceptance_length_bounds(num_speculative_tokens: int) -> tuple[float, ...]:
     """Bounds 1, 2, ..., k+1: one bucket per possible acceptance length."""
     return tuple(float(i) for i in range(1, num_speculative_tokens + 2))
+
+
+# --- Per-request spans (``OTEL_SPECDEC_TRACES=true``; docs/traces.md) -------
+
+TRACER_NAME: Final = METER_NAME
+SPAN_REQUEST: Final = "vllm.spec_decode.request"
+
+SPAN_DRAFTS: Final = "vllm.spec_decode.drafts"
+SPAN_DRAFT_TOKENS: Final = "vllm.spec_decode.draft_tokens"
+SPAN_ACCEPTED_TOKENS: Final = "vllm.spec_decode.accepted_tokens"
+SPAN_ACCEPTANCE_RATE: Final = "vllm.spec_decode.acceptance_rate"
+SPAN_MEAN_ACCEPTANCE_LENGTH: Final = "vllm.spec_decode.mean_acceptance_length"
+SPAN_DRAFT_TOKENS_PER_POSITION: Final = "vllm.spec_decode.draft_tokens_per_position"
+SPAN_ACCEPTED_TOKENS_PER_POSITION: Final = "vllm.spec_decode.accepted_tokens_per_position"
+# OpenTelemetry GenAI semantic conventions (string array).
+SPAN_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"

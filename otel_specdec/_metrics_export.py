@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import Exemplar
 from opentelemetry.sdk.metrics import Histogram as SdkHistogram
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
@@ -196,6 +197,7 @@ def _histogram_point(
     maximum: float | None,
     start_ns: int,
     now_ns: int,
+    exemplars: list[Exemplar] | None = None,
 ) -> HistogramDataPoint:
     return HistogramDataPoint(
         attributes=attributes,
@@ -207,6 +209,7 @@ def _histogram_point(
         explicit_bounds=bounds,
         min=minimum,
         max=maximum,
+        exemplars=exemplars or [],
     )
 
 
@@ -342,12 +345,11 @@ class HistogramInjector:
                 lengths.append(_length_point(entry, length_hist, start_ns, now_ns))
             if any(rate_buckets) or not delta:
                 minimum, maximum = self._rate_min_max(tracker, delta)
-                rates.append(
-                    _histogram_point(
-                        entry.attributes, names.REQUEST_RATE_BOUNDS, list(rate_buckets),
-                        rate_sum, minimum, maximum, start_ns, now_ns,
-                    )
-                )
+                rates.append(_histogram_point(
+                    entry.attributes, names.REQUEST_RATE_BOUNDS, list(rate_buckets),
+                    rate_sum, minimum, maximum, start_ns, now_ns,
+                    _exemplars(entry, state.last_ns if delta else 0),
+                ))
         state.last_ns = now_ns
         out = []
         for name, unit, points in (
@@ -408,6 +410,15 @@ class HistogramInjector:
         else:
             kept.append(ResourceMetrics(resource, [scope], ""))
         return MetricsData(resource_metrics=kept)
+
+
+def _exemplars(entry: SpecDecodeTotals, since_ns: int) -> list[Exemplar]:
+    """The request spans linked to the rate buckets (one per bucket, newest)."""
+    return [
+        Exemplar({}, rate, time_ns, span_id, trace_id)
+        for rate, time_ns, trace_id, span_id in filter(None, list(entry.rate_exemplars))
+        if time_ns > since_ns
+    ]
 
 
 def _minus(current: Iterable[int], previous: list[int]) -> list[int]:

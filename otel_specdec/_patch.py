@@ -135,7 +135,7 @@ def _free_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         accountant = _attached(instance)
         if accountant is not None:
             request = args[0] if args else kwargs["request"]
-            accountant.observe_freed(request.request_id)
+            accountant.observe_freed(request.request_id, request)
     except Exception:
         _disable(instance, "Scheduler._free_request")
     return result

@@ -1,9 +1,10 @@
-"""A small OTLP metrics receiver on loopback (gRPC and HTTP/protobuf).
+"""A small OTLP metrics and traces receiver on loopback (gRPC and HTTP/protobuf).
 
 Used by ``otel-specdec demo`` to show what a collector would receive, and by
 the tests as the real far end of the export. It keeps, per series (resource
 + metric + point attributes), the latest cumulative point, or the sum of
-delta points, so totals can be compared with vLLM's own counters.
+delta points, so totals can be compared with vLLM's own counters, and
+every span received.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ from opentelemetry.proto.collector.metrics.v1 import (
     metrics_service_pb2,
     metrics_service_pb2_grpc,
 )
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-__all__ = ["HistogramTotal", "MetricsStore", "OtlpReceiver", "ServerTls", "add_elementwise"]
+__all__ = [
+    "HistogramTotal", "MetricsStore", "OtlpReceiver", "ReceivedSpan", "ServerTls", "SpanStore",
+    "add_elementwise",
+]
 
 _DELTA = 1  # AGGREGATION_TEMPORALITY_DELTA
 
@@ -59,6 +64,8 @@ class HistogramTotal:
     explicit_bounds: list[float] = field(default_factory=list)
     min: float | None = None
     max: float | None = None
+    # (value, trace id hex, span id hex) of the exemplars of the last point.
+    exemplars: list[tuple[float, str, str]] = field(default_factory=list)
 
     def merge(self, other: HistogramTotal) -> None:
         """Add ``other``'s counts (same bounds) into this total."""
@@ -70,6 +77,7 @@ class HistogramTotal:
             self.min = other.min if self.min is None else min(self.min, other.min)
         if other.max is not None:
             self.max = other.max if self.max is None else max(self.max, other.max)
+        self.exemplars = other.exemplars or self.exemplars
 
 
 @dataclass
@@ -128,6 +136,7 @@ class MetricsStore:
                     list(point.explicit_bounds),
                     point.min if point.HasField("min") else None,
                     point.max if point.HasField("max") else None,
+                    [(e.as_double, e.trace_id.hex(), e.span_id.hex()) for e in point.exemplars],
                 ))
 
     def _get(self, resource: dict[str, Any], scope: tuple[str, str], metric: Any,
@@ -187,6 +196,59 @@ def _safe(predicate: Any) -> bool:
         return False
 
 
+@dataclass
+class ReceivedSpan:
+    resource: dict[str, Any]
+    scope: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    kind: int
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+
+
+class SpanStore:
+    """Every span received, in arrival order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._spans: list[ReceivedSpan] = []
+        self.changed = threading.Condition(self._lock)
+
+    def ingest(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
+        with self._lock:
+            for rs in request.resource_spans:
+                resource = attributes_of(rs.resource.attributes)
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        self._spans.append(ReceivedSpan(
+                            resource, ss.scope.name, span.name, span.trace_id.hex(),
+                            span.span_id.hex(), span.parent_span_id.hex(), span.kind,
+                            span.start_time_unix_nano, span.end_time_unix_nano,
+                            attributes_of(span.attributes)))
+            self.changed.notify_all()
+
+    def spans(self, name: str | None = None) -> list[ReceivedSpan]:
+        with self._lock:
+            return [s for s in self._spans if name is None or s.name == name]
+
+    def wait_for(self, predicate: Any, timeout: float) -> bool:
+        with self._lock:
+            return self.changed.wait_for(lambda: _safe(predicate), timeout=timeout)
+
+
+class _GrpcTraceService(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, store: SpanStore) -> None:
+        self._store = store
+
+    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC name)
+        self._store.ingest(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
 class _GrpcService(metrics_service_pb2_grpc.MetricsServiceServicer):
     def __init__(self, store: MetricsStore) -> None:
         self._store = store
@@ -196,7 +258,7 @@ class _GrpcService(metrics_service_pb2_grpc.MetricsServiceServicer):
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
 
-def _http_handler(store: MetricsStore) -> type[BaseHTTPRequestHandler]:
+def _http_handler(store: MetricsStore, spans: SpanStore) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 (http.server name)
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -205,14 +267,21 @@ def _http_handler(store: MetricsStore) -> type[BaseHTTPRequestHandler]:
                 body = gzip.decompress(body)
             elif encoding == "deflate":
                 body = zlib.decompress(body)
-            if self.path.rstrip("/") != "/v1/metrics":
+            path = self.path.rstrip("/")
+            if path == "/v1/metrics":
+                request: Any = metrics_service_pb2.ExportMetricsServiceRequest()
+                request.ParseFromString(body)
+                store.ingest(request)
+                payload = metrics_service_pb2.ExportMetricsServiceResponse().SerializeToString()
+            elif path == "/v1/traces":
+                request = trace_service_pb2.ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                spans.ingest(request)
+                payload = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+            else:
                 self.send_response(404)
                 self.end_headers()
                 return
-            request = metrics_service_pb2.ExportMetricsServiceRequest()
-            request.ParseFromString(body)
-            store.ingest(request)
-            payload = metrics_service_pb2.ExportMetricsServiceResponse().SerializeToString()
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")
             self.send_header("Content-Length", str(len(payload)))
@@ -241,7 +310,7 @@ def _read(path: str) -> bytes:
 
 
 class OtlpReceiver:
-    """OTLP/gRPC and OTLP/HTTP metrics endpoints on loopback.
+    """OTLP/gRPC and OTLP/HTTP metrics and traces endpoints on loopback.
 
     Ports are free ones unless given (a test restarting a "collector" on
     the same address gives them); ``store`` may be shared across restarts.
@@ -251,6 +320,7 @@ class OtlpReceiver:
                  tls: ServerTls | None = None, store: MetricsStore | None = None) -> None:
         self.host = host
         self.store = store or MetricsStore()
+        self.spans = SpanStore()
         self.tls = tls
         self._grpc: Any = None
         self._http: ThreadingHTTPServer | None = None
@@ -264,6 +334,9 @@ class OtlpReceiver:
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(
             _GrpcService(self.store), self._grpc
         )
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(
+            _GrpcTraceService(self.spans), self._grpc
+        )
         address = f"{self.host}:{self.grpc_port}"
         if self.tls is None:
             self.grpc_port = self._grpc.add_insecure_port(address)
@@ -276,7 +349,9 @@ class OtlpReceiver:
             self.grpc_port = self._grpc.add_secure_port(address, credentials)
         self._grpc.start()
         ThreadingHTTPServer.allow_reuse_address = True
-        self._http = ThreadingHTTPServer((self.host, self.http_port), _http_handler(self.store))
+        self._http = ThreadingHTTPServer(
+            (self.host, self.http_port), _http_handler(self.store, self.spans)
+        )
         if self.tls is not None:
             self._http.socket = self._server_ssl_context().wrap_socket(
                 self._http.socket, server_side=True

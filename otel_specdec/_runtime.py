@@ -16,8 +16,9 @@ import uuid
 from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.resources import Resource
 
-from otel_specdec import _provider, _vllm_compat
+from otel_specdec import _provider, _tracing, _vllm_compat
 from otel_specdec._accounting import StepAccountant
 from otel_specdec._instruments import RES_DP_RANK
 from otel_specdec._metrics_export import HistogramInjector, TotalsRegistry, bind_counters
@@ -61,6 +62,9 @@ class Runtime:
             )
         for reader in readers:
             self.injector.attach(reader)
+        resource = _provider.resource_of(provider)
+        missing = {k: v for k, v in identity.items() if k not in resource.attributes}
+        self.spans = _tracing.build_emitter(resource.merge(Resource(missing)))
 
     @property
     def final_export_budget_ms(self) -> float:
@@ -80,6 +84,7 @@ class Runtime:
             track_padding=not info.async_scheduling,
             steps_in_flight=info.steps_in_flight,
             finished_above=_vllm_compat.finished_status_threshold(),
+            spans=self.spans,
         )
 
     def engine_stopped(self) -> None:
@@ -99,6 +104,8 @@ class Runtime:
     def flush(self) -> None:
         if self.closed:
             return
+        if self.spans is not None:
+            self.spans.flush(_tracing.export_timeout_s())
         try:
             self.provider.force_flush(timeout_millis=self.final_export_budget_ms)
         except Exception:
@@ -110,6 +117,8 @@ class Runtime:
             if self.closed:
                 return
             self.closed = True
+        if self.spans is not None:
+            self.spans.close(_tracing.export_timeout_s())
         if self.owns_provider:
             try:
                 # The reader's last collection runs in its thread, bounded by

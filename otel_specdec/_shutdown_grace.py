@@ -29,7 +29,7 @@ from typing import Any
 
 from wrapt import wrap_function_wrapper
 
-from otel_specdec import _settings, _vllm_compat
+from otel_specdec import _settings, _tracing, _vllm_compat
 
 __all__ = ["install", "uninstall"]
 
@@ -56,6 +56,8 @@ def _init_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     try:
         if _vllm_compat.speculates(_vllm_config_of(args, kwargs)):
             grace = _settings.final_export_budget_s() + _TEARDOWN_MARGIN_S
+            if _tracing.enabled(report=False):
+                grace += _tracing.export_timeout_s()
     except Exception:
         _logger.debug("otel_specdec: could not read the engine's config", exc_info=True)
     # Set before the host's __init__, whose failure path calls shutdown.

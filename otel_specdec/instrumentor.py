@@ -11,7 +11,7 @@ from opentelemetry.instrumentation.dependencies import (
 )
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from otel_specdec import _patch, _runtime
+from otel_specdec import _patch, _runtime, _tracing
 from otel_specdec.package import _instruments, _instruments_any
 
 __all__ = ["SpecDecodeInstrumentor"]
@@ -37,6 +37,7 @@ class SpecDecodeInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
     def _instrument(self, **kwargs: Any) -> None:
         _runtime.configure(kwargs.get("meter_provider"))
+        _tracing.configure(kwargs.get("tracer_provider"))
         _patch.install()
 
     def _uninstrument(self, **kwargs: Any) -> None:

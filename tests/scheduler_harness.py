@@ -101,15 +101,18 @@ class SchedulerHarness:
         self._shuffle = random.Random(0)
         self._ids = itertools.count()
 
-    def add_requests(self, n: int, *, prompt_len: int = 8, max_tokens: int = 400) -> list[str]:
+    def add_requests(self, n: int, *, prompt_len: int = 8, max_tokens: int = 400,
+                     trace_headers: Callable[[int], dict[str, str] | None] | None = None,
+                     ) -> list[str]:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
         ids = []
-        for _ in range(n):
+        for i in range(n):
             req_id = f"req-{next(self._ids)}"
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            request = Request(req_id, list(range(10, 10 + prompt_len)), params, None)
+            request = Request(req_id, list(range(10, 10 + prompt_len)), params, None,
+                              trace_headers=trace_headers(i) if trace_headers else None)
             self.scheduler.add_request(request)
             ids.append(req_id)
         return ids
