@@ -96,7 +96,10 @@ def _generate(llm: Any, config: dict[str, Any], result: dict[str, Any]) -> None:
         if phase or hold:
             pause(phase)
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if config.get("trace_headers"):
+            outputs = _generate_with_headers(llm, prompts, params, config["trace_headers"])
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         result["gen_seconds"].append(time.perf_counter() - start)
         result["output_tokens"].append(sum(len(o.outputs[0].token_ids) for o in outputs))
         result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
@@ -104,6 +107,20 @@ def _generate(llm: Any, config: dict[str, Any], result: dict[str, Any]) -> None:
         pause(config.get("phases", 1))
     if result_has_counters:
         result["vllm"] = vllm_counters(llm)
+
+
+def _generate_with_headers(llm: Any, prompts: list[str], params: Any,
+                           headers: list[dict[str, str] | None]) -> list[Any]:
+    """``LLM.generate`` takes no trace headers; vLLM's engine API does."""
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"traced-{i}", prompt, params, trace_headers=headers[i])
+    finished: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return [finished[f"traced-{i}"] for i in range(len(prompts))]
 
 
 def _run_in_scope(config: dict[str, Any], result: dict[str, Any]) -> None:

@@ -212,11 +212,12 @@ class ApiServer:
                 assert time.monotonic() < deadline, "server did not become healthy"
                 time.sleep(1)
 
-    def complete(self, prompt: str, max_tokens: int = 32, **fields: Any) -> dict[str, Any]:
+    def complete(self, prompt: str, max_tokens: int = 32, headers: dict[str, str] | None = None,
+                 **fields: Any) -> dict[str, Any]:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                            "temperature": 0, **fields}).encode()
         request = urllib.request.Request(f"{self.base}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
+                                         {"Content-Type": "application/json", **(headers or {})})
         return json.loads(urllib.request.urlopen(request, timeout=120).read())
 
     def metrics_text(self) -> str:

@@ -240,3 +240,86 @@ def check_length_heatmap(run: LiveRun, result: list[dict[str, Any]]) -> None:
     assert set(shares) == set(want), (shares, want)
     for le in want:
         assert math.isclose(shares[le], want[le], rel_tol=1e-9), (le, shares, want)
+
+
+def per_token_alpha(run: LiveRun) -> float:
+    """Leviathan's per-token acceptance, estimated from the accepted prefix:
+    successes / trials, a draft's trial ending at its first rejection (drafts
+    that accepted all k tokens had none)."""
+    vllm = run.vllm
+    accepted, drafts = vllm["accepted_tokens"], vllm["drafts"]
+    return accepted / (accepted + drafts - vllm["accepted_per_pos"][K - 1])
+
+
+def conditional_per_position(run: LiveRun) -> list[float]:
+    reached = [run.vllm["drafts"], *run.vllm["accepted_per_pos"]]
+    return [reached[i + 1] / reached[i] for i in range(K) if reached[i] > 0]
+
+
+def rule_checks(run: LiveRun, rule_value: Callable[[str], list[float]]
+                ) -> dict[str, Callable[[], None]]:
+    vllm = run.vllm
+    drafted, accepted, drafts = vllm["draft_tokens"], vllm["accepted_tokens"], vllm["drafts"]
+    numbers = expected_numbers(run, cost_ratio=0.0)  # the rules' c for ngram
+    alpha = per_token_alpha(run)
+    mm = "model_method:vllm_spec_decode_"
+
+    def per_second_of(name: str, share: float) -> None:
+        # Rates in tokens/s: checked as shares of the drafted-token rate.
+        [base] = rule_value(f"{mm}draft_tokens:rate5m")
+        assert base > 0
+        assert_close(rule_value(name), base * share, name)
+
+    return {
+        f"{mm}draft_tokens:rate5m": lambda: per_second_of(f"{mm}draft_tokens:rate5m", 1.0),
+        f"{mm}accepted_tokens:rate5m": lambda: per_second_of(
+            f"{mm}accepted_tokens:rate5m", accepted / drafted),
+        f"{mm}drafts:rate5m": lambda: per_second_of(f"{mm}drafts:rate5m", drafts / drafted),
+        f"{mm}acceptance_rate:rate5m": lambda: assert_close(
+            rule_value(f"{mm}acceptance_rate:rate5m"), numbers["acceptance_rate"], "rate"),
+        "instance_model_method:vllm_spec_decode_acceptance_rate:rate5m": lambda: assert_close(
+            rule_value("instance_model_method:vllm_spec_decode_acceptance_rate:rate5m"),
+            numbers["acceptance_rate"], "instance rate"),
+        f"{mm}mean_acceptance_length:rate5m": lambda: assert_close(
+            rule_value(f"{mm}mean_acceptance_length:rate5m"),
+            numbers["mean_acceptance_length"], "length"),
+        "model_method_position:vllm_spec_decode_acceptance_rate:rate5m": lambda: assert_close(
+            rule_value("model_method_position:vllm_spec_decode_acceptance_rate:rate5m"),
+            per_position(run), "per position"),
+        "model_method_position:vllm_spec_decode_conditional_acceptance_rate:rate5m":
+            lambda: assert_close(rule_value(
+                "model_method_position:vllm_spec_decode_conditional_acceptance_rate:rate5m"),
+                conditional_per_position(run), "conditional per position"),
+        f"{mm}conditional_acceptance_rate:rate5m": lambda: assert_close(
+            rule_value(f"{mm}conditional_acceptance_rate:rate5m"), alpha, "per-token alpha"),
+        f"{mm}zero_proposal_share:rate5m": lambda: assert_close(
+            rule_value(f"{mm}zero_proposal_share:rate5m"), numbers["zero_proposal_share"],
+            "zero share"),
+        f"{mm}draft_positions:count": lambda: assert_close(
+            rule_value(f"{mm}draft_positions:count"), float(K), "k"),
+        f"{mm}system_efficiency:rate5m": lambda: assert_close(
+            rule_value(f"{mm}system_efficiency:rate5m"), numbers["system_efficiency"],
+            "efficiency"),
+        f"{mm}expected_speedup:rate5m": lambda: assert_close(
+            rule_value(f"{mm}expected_speedup:rate5m"),
+            (1 - alpha ** (K + 1)) / (1 - alpha), "expected speedup (c = 0 for ngram)"),
+    }
+
+
+@pytest.mark.parametrize("source", ["expression", "recorded series"])
+def test_every_recording_rule_matches_vllm(live: LiveRun, source: str):
+    """Each rule's expression sent to the HTTP API, and the series Prometheus
+    recorded from it (the rule file loaded, evaluated every second)."""
+    rules = {rule["record"]: rule["expr"] for rule in recording_rules()}
+
+    def rule_value(name: str) -> list[float]:
+        result = live.query(rules[name] if source == "expression" else name)
+        assert result, f"{name} ({source}) returned nothing"
+        return values(result)
+
+    checks = rule_checks(live, rule_value)
+    assert set(rules) == set(checks), (
+        "rules without an expectation", set(rules) - set(checks),
+        "expectations without a rule", set(checks) - set(rules))
+    for name in rules:
+        checks[name]()
