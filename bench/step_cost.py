@@ -16,6 +16,12 @@ loop calls it when stats logging is on, plus ``SpecDecodingProm.observe``,
 its Prometheus side). Reported: medians per step.
 
     .venv/bin/python bench/step_cost.py [--batches 1,64,256,1024] [--ks 1,4,8] [--steps 200]
+                                        [--tracing]
+
+``--tracing`` turns request spans on (``OTEL_SPECDEC_TRACES=true``, spans
+built on the plugin's worker thread and handed to an exporter that drops
+them): the added time then includes the exact accounting path that spans
+need and the hand-over of each finished request.
 """
 
 from __future__ import annotations
@@ -120,11 +126,28 @@ def measure(model_dir: str, batch: int, k: int, steps: int) -> dict[str, float]:
     }
 
 
+def _discarding_tracer_provider() -> Any:
+    import os
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class Discard(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    os.environ["OTEL_SPECDEC_TRACES"] = "true"
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Discard()))
+    return provider
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="1,64,256,1024")
     parser.add_argument("--ks", default="1,4,8")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--tracing", action="store_true", help="request spans on")
     args = parser.parse_args()
 
     import logging
@@ -138,7 +161,9 @@ def main() -> None:
 
     model_dir = str(build_tiny_model(Path(tempfile.mkdtemp()) / "target"))
     SpecDecodeInstrumentor().instrument(
-        meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]))
+        meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]),
+        tracer_provider=_discarding_tracer_provider() if args.tracing else None)
+    print(f"request spans: {'on' if args.tracing else 'off'}")
     print(f"{'batch':>6} {'k':>3} {'unwrapped µs':>13} {'with plugin µs':>15} "
           f"{'added µs':>9} {'added %':>8} {'vLLM stats µs':>14} {'added/vLLM':>11}")
     for batch in [int(b) for b in args.batches.split(",")]:
