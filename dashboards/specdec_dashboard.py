@@ -87,7 +87,8 @@ def _paren(expr: str) -> str:
     return f"(\n{_indent(expr)}\n)"
 
 
-# α: accepted draft tokens per verified draft token, by model and method.
+# accepted draft tokens per verified draft token, by model and method (vLLM's
+# "draft acceptance rate"). Not α: accepted tokens are a prefix of each draft.
 ACCEPTANCE_RATE = _ratio(_sum_rate(ACCEPTED_TOKENS), _sum_rate(DRAFT_TOKENS))
 
 # 1 + accepted / drafts: tokens emitted per draft, bonus token included.
@@ -133,13 +134,35 @@ NUM_SPECULATIVE_TOKENS = (
     ")"
 )
 
-_ALPHA = _paren(ACCEPTANCE_RATE)
+# Drafts that accepted all k tokens: accepted[k-1], the smallest per-position
+# accepted count (accepted tokens are a prefix, so the count falls with the position).
+FULLY_ACCEPTED_DRAFTS = (
+    f"min by ({BY_MODEL_METHOD}) (\n"
+    + _indent(_sum_rate(ACCEPTED_TOKENS, f"{BY_MODEL_METHOD}, vllm_spec_decode_position"))
+    + "\n)"
+)
+
+# α, the per-token acceptance probability of Leviathan et al.: accepted / trials,
+# as in the recording rule model_method:vllm_spec_decode_conditional_acceptance_rate:rate5m
+# (docs/prometheus-rules.md). Each draft tries positions 0, 1, ... until its first
+# rejection or position k-1, so trials = accepted + drafts - accepted[k-1].
+# drafts - accepted[k-1] (the drafts that ended in a rejection) is computed first,
+# so that when every draft was fully accepted it is exactly 0 and α exactly 1.
+PER_TOKEN_ACCEPTANCE = _ratio(
+    _sum_rate(ACCEPTED_TOKENS),
+    f"{_sum_rate(ACCEPTED_TOKENS)}\n+\n"
+    + _paren(f"{_sum_rate(DRAFTS)}\n-\n{FULLY_ACCEPTED_DRAFTS}"),
+)
+
+_ALPHA = _paren(PER_TOKEN_ACCEPTANCE)
 _K = _paren(NUM_SPECULATIVE_TOKENS)
 # k·c + 1: the cost of one speculative step in target-model forward passes.
 _STEP_COST = f"({_K} * ${COST_RATIO_VAR} + 1)"
 
-# Leviathan et al. (2023): (1 - α^(k+1)) / ((1 - α)(k·c + 1)). For α = 1 the
-# closed form is 0/0; its limit (k + 1) / (k·c + 1) is used instead.
+# Leviathan et al. (2023): (1 - α^(k+1)) / ((1 - α)(k·c + 1)), α the per-token
+# acceptance probability above. For α = 1 the closed form is 0/0; its limit
+# (k + 1) / (k·c + 1) is used instead (the recording rule caps α at 0.999999
+# instead; below that the two agree exactly).
 EXPECTED_SPEEDUP = (
     "(\n"
     + _indent(
@@ -243,7 +266,8 @@ def _acceptance_rate_panel() -> timeseries.Panel:
     return _timeseries(
         "Acceptance rate",
         "Accepted draft tokens / verified draft tokens, by model and method, summed over "
-        "instances. This is α in the speedup formula.",
+        "instances (vLLM's draft acceptance rate). Lower than the per-token α of the "
+        "speedup formula, since only a prefix of each draft can be accepted.",
         [_query(ACCEPTANCE_RATE, LEGEND)],
         "percentunit",
         max_val=1,
@@ -365,10 +389,10 @@ def _zero_proposal_panel() -> timeseries.Panel:
 def _speedup_panel() -> timeseries.Panel:
     return _timeseries(
         "Expected speedup (Leviathan et al.)",
-        "(1 - α^(k+1)) / ((1 - α)(k·c + 1)), with α the acceptance rate, k the number of "
-        "position series and c the draft/target cost ratio ($cost_ratio). 'measured' puts "
-        "the mean acceptance length in place of (1 - α^(k+1)) / (1 - α). A model, not a "
-        "measurement of latency.",
+        "(1 - α^(k+1)) / ((1 - α)(k·c + 1)), with α the per-token acceptance probability "
+        "accepted / (accepted + drafts - accepted[k-1]), k the number of position series and "
+        "c the draft/target cost ratio ($cost_ratio). 'measured' puts the mean acceptance "
+        "length in place of (1 - α^(k+1)) / (1 - α). A model, not a latency measurement.",
         [
             _query(EXPECTED_SPEEDUP, f"Leviathan {LEGEND}", "A"),
             _query(MEASURED_SPEEDUP, f"measured {LEGEND}", "B"),

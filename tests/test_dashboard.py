@@ -56,7 +56,7 @@ LABELS = frozenset(
     }
 )
 PROMQL_WORDS = frozenset(
-    {"sum", "count", "rate", "histogram_quantile", "by", "on", "group_left", "and", "or"}
+    {"sum", "count", "min", "rate", "histogram_quantile", "by", "on", "group_left", "and", "or"}
 )
 REQUIRED_MATCHERS = {
     ("gen_ai_request_model", "=~", "$model"),
@@ -231,7 +231,7 @@ _TOKEN = re.compile(
 )
 _SELECTOR = re.compile(r"(?P<metric>[A-Za-z_:][A-Za-z0-9_:]*)\{(?P<body>[^}]*)\}")
 _MATCHER = re.compile(r'\s*(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*(?:,|$)')
-_GROUPING = re.compile(r"\b(?:sum|count)\s+by\s*\(([^)]*)\)|\bon\s*\(([^)]*)\)")
+_GROUPING = re.compile(r"\b(?:sum|count|min)\s+by\s*\(([^)]*)\)|\bon\s*\(([^)]*)\)")
 
 
 def _tokens(expr: str) -> list[tuple[str, str]]:
@@ -272,7 +272,7 @@ def _check_promql(title: str, expr: str) -> None:
                 f"{title}: variable {text}"
             )
     for i, (_, text) in enumerate(tokens):
-        if text in ("sum", "count"):
+        if text in ("sum", "count", "min"):
             assert tokens[i + 1][1] == "by", f"{title}: {text} without by (...)"
         if text in ("group_left", "group_right"):
             # Without an explicit label list, a parenthesised right-hand side
@@ -317,6 +317,7 @@ def test_static_checker_rejects_broken_queries() -> None:
     good = gen.ACCEPTANCE_RATE
     _check_promql("Acceptance rate", good)
     _check_promql("Per-position acceptance rate", gen.PER_POSITION_ACCEPTANCE)
+    _check_promql("Expected speedup (Leviathan et al.)", gen.PER_TOKEN_ACCEPTANCE)
     broken = [
         good[:-1],  # unbalanced
         good.replace("vllm_spec_decode_draft_tokens_total", "vllm_spec_decode_draft_token_total"),
@@ -325,6 +326,9 @@ def test_static_checker_rejects_broken_queries() -> None:
         good.replace("rate(", "irate(", 1),
         good.replace("sum by (gen_ai_request_model, vllm_spec_decode_method)", "sum", 1),
         gen.PER_POSITION_ACCEPTANCE.replace("group_left ()", "group_left"),
+        gen.PER_TOKEN_ACCEPTANCE.replace(
+            "min by (gen_ai_request_model, vllm_spec_decode_method)", "min"
+        ),
         "vllm:spec_decode_num_drafts_total",
     ]
     for expr in broken:
@@ -576,13 +580,18 @@ def _per_second(n: float) -> float:
 
 
 def _totals(group: list[Engine]) -> dict[str, float]:
+    positions = sorted({pos for e in group for pos in range(e.k)})
     return {
         "drafts": _per_second(sum(e.drafts for e in group)),
         "empty": _per_second(sum(e.empty for e in group)),
         "padding": _per_second(sum(e.padding for e in group)),
         "drafted": _per_second(sum(sum(e.drafted) for e in group)),
         "accepted": _per_second(sum(sum(e.accepted) for e in group)),
-        "k": len({pos for e in group for pos in range(e.k)}),
+        # accepted[k-1]: the smallest per-position accepted count
+        "fully_accepted": min(
+            _per_second(sum(e.accepted[pos] for e in group if pos < e.k)) for pos in positions
+        ),
+        "k": len(positions),
     }
 
 
@@ -599,8 +608,17 @@ def _acceptance_rate(t: dict[str, float]) -> float | None:
     return t["accepted"] / t["drafted"] if t["drafted"] > 0 else None
 
 
+def _per_token_alpha(t: dict[str, float]) -> float | None:
+    """Leviathan's α: accepted / trials. A draft tries positions until its first
+    rejection or position k-1: the drafts that stopped at a rejection
+    (drafts - accepted[k-1]) tried one more position than they accepted, the
+    fully accepted ones tried exactly what they accepted."""
+    trials = t["accepted"] + (t["drafts"] - t["fully_accepted"])
+    return t["accepted"] / trials if trials > 0 else None
+
+
 def _leviathan(t: dict[str, float], c: float) -> float | None:
-    alpha, k = _acceptance_rate(t), t["k"]
+    alpha, k = _per_token_alpha(t), t["k"]
     if alpha is None:
         return None
     tokens = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
@@ -761,10 +779,26 @@ def test_expected_values_sanity() -> None:
     assert sum((length - 1) * n for length, n in e1.length_counts().items()) == sum(e1.accepted)
     assert _histogram_quantile(0.5, [(0.5, 1.0), (1.0, 3.0), (math.inf, 3.0)]) == 0.625
     t = _totals([ENGINES[2]])  # alpha = 1: the formula's limit
+    assert _per_token_alpha(t) == 1
     assert _leviathan(t, 0.05) == pytest.approx(3 / 1.1)
-    t = _totals([ENGINES[0]])
-    alpha = 13 / 24
+    # i1: drafts reaching length 1, 2, 3, 4 = 3, 3, 2, 2. Trials: 3·1 + 3·2 + 2·3
+    # + 2·3 (the 2 fully accepted drafts stop at position k-1 = 2 without a
+    # rejection) = 21; accepted = 7 + 4 + 2 = 13.
+    e1 = ENGINES[0]
+    trials = sum(min(length, e1.k) * n for length, n in e1.length_counts().items())
+    assert trials == 21
+    t = _totals([e1])
+    assert _per_token_alpha(t) == pytest.approx(13 / 21)
+    alpha = 13 / 21
     assert _leviathan(t, 0.0) == pytest.approx(1 + alpha + alpha**2 + alpha**3)
+    assert _leviathan(t, 0.1) == pytest.approx((1 + alpha + alpha**2 + alpha**3) / 1.3)
+    # i1 + i2: accepted 22, 14, 7 per position, drafts 30: alpha = 43 / (43 + 30 - 7).
+    t = _totals(list(ENGINES[:2]))
+    assert _per_token_alpha(t) == pytest.approx(43 / 66)
+    # Not the acceptance rate (accepted / drafted): the data tells them apart.
+    rate = _acceptance_rate(t)
+    assert rate == pytest.approx(43 / 84)
+    assert _leviathan(t, 0.05) - (1 - rate**4) / (1 - rate) / 1.15 > 0.1
 
 
 def test_queries_evaluate_to_the_metric_definitions(dashboard: dict, tmp_path: Path) -> None:
@@ -801,6 +835,78 @@ def test_queries_evaluate_to_the_metric_definitions(dashboard: dict, tmp_path: P
     path = tmp_path / "dashboard_test.yml"  # JSON is valid YAML
     path.write_text(
         json.dumps({"rule_files": [], "evaluation_interval": "1m", "tests": tests}, indent=1)
+    )
+    proc = subprocess.run(
+        [promtool, "test", "rules", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-20000:]
+
+
+RECORDING_RULES = REPO / "collector-config" / "prometheus" / "specdec-recording-rules.yaml"
+
+
+def _recording_rule(record: str) -> str:
+    yaml = pytest.importorskip("yaml")
+    groups = yaml.safe_load(RECORDING_RULES.read_text(encoding="utf-8"))["groups"]
+    (expr,) = [r["expr"] for g in groups for r in g["rules"] if r.get("record") == record]
+    return expr
+
+
+def test_expected_speedup_agrees_with_the_recording_rule(dashboard: dict, tmp_path: Path) -> None:
+    """Panel A and model_method:vllm_spec_decode_expected_speedup:rate5m use the same α.
+
+    The rule's c is 0 for ngram and 0.05 otherwise, so each method is compared
+    with that $cost_ratio. Below α = 0.999999 the two are the same expression;
+    at α = 1 the rule's cap leaves it within 5e-5 (relative) of the panel's limit.
+    """
+    promtool = _promtool()
+    rule = _recording_rule("model_method:vllm_spec_decode_expected_speedup:rate5m")
+    panel = next(
+        t["expr"]
+        for p, t in _targets(dashboard)
+        if p["title"] == "Expected speedup (Leviathan et al.)" and t["refId"] == "A"
+    )
+    cases = (  # (values, tolerance, the (model, method) compared)
+        ({"method": "ngram", "cost_ratio": "0"}, "1e-12", ("m1", "ngram")),  # alpha = 43/66
+        ({"method": "eagle", "cost_ratio": "0.05"}, "1e-4", ("m2", "eagle")),  # alpha = 1
+    )
+    expr_tests = [
+        {
+            "expr": (
+                f"abs(\n({substitute(panel, values)})\n-\n({rule})\n)\n"
+                f"<= bool {tolerance} * (\n{rule}\n)"
+            ),
+            "eval_time": "10m",
+            "exp_samples": [
+                {
+                    "labels": f'{{gen_ai_request_model="{model}", '
+                    f'vllm_spec_decode_method="{method}"}}',
+                    "value": 1,
+                }
+            ],
+        }
+        for values, tolerance, (model, method) in cases
+    ]
+    path = tmp_path / "agree_test.yml"  # JSON is valid YAML
+    path.write_text(
+        json.dumps(
+            {
+                "rule_files": [],
+                "evaluation_interval": "1m",
+                "tests": [
+                    {
+                        "interval": "1m",
+                        "input_series": _input_series(),
+                        "promql_expr_test": expr_tests,
+                    }
+                ],
+            },
+            indent=1,
+        )
     )
     proc = subprocess.run(
         [promtool, "test", "rules", str(path)],
