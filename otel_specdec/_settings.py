@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 __all__ = [
-    "ConfigError", "ExportSettings", "env_value", "final_export_budget_s", "read_settings",
-    "redact_url",
+    "ConfigError", "ExportSettings", "env_value", "final_export_budget_s", "otlp_setting",
+    "read_settings", "redact_url",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -82,9 +82,10 @@ def env_value(name: str) -> str | None:
     return value.strip() if value is not None and value.strip() else None
 
 
-def _otlp(name: str) -> tuple[str, str] | None:
-    """``(variable, value)`` of the effective OTLP setting ``name``, if set."""
-    for variable in (f"OTEL_EXPORTER_OTLP_METRICS_{name}", f"OTEL_EXPORTER_OTLP_{name}"):
+def otlp_setting(name: str, signal: str = "METRICS") -> tuple[str, str] | None:
+    """``(variable, value)`` of the effective OTLP setting ``name`` for
+    ``signal`` (the signal's own variable wins over the general one), if set."""
+    for variable in (f"OTEL_EXPORTER_OTLP_{signal}_{name}", f"OTEL_EXPORTER_OTLP_{name}"):
         value = env_value(variable)
         if value is not None:
             return variable, value
@@ -135,7 +136,7 @@ def _prometheus_port() -> int:
 
 
 def _protocol() -> str:
-    setting = _otlp("PROTOCOL")
+    setting = otlp_setting("PROTOCOL")
     if setting is None:
         return DEFAULT_PROTOCOL
     variable, value = setting
@@ -145,7 +146,7 @@ def _protocol() -> str:
 
 
 def _check_endpoint(protocol: str) -> None:
-    setting = _otlp("ENDPOINT")
+    setting = otlp_setting("ENDPOINT")
     if setting is None:
         return
     variable, value = setting
@@ -171,7 +172,7 @@ def _check_endpoint(protocol: str) -> None:
 
 
 def _check_headers() -> None:
-    setting = _otlp("HEADERS")
+    setting = otlp_setting("HEADERS")
     if setting is None:
         return
     variable, value = setting
@@ -188,20 +189,20 @@ def _check_headers() -> None:
 
 
 def _check_boolean(name: str) -> None:
-    setting = _otlp(name)
+    setting = otlp_setting(name)
     if setting is not None and setting[1].lower() not in ("true", "false"):
         raise ConfigError(setting[0], repr(setting[1]), "true or false")
 
 
 def _check_compression() -> None:
-    setting = _otlp("COMPRESSION")
+    setting = otlp_setting("COMPRESSION")
     if setting is not None and setting[1].lower() not in COMPRESSIONS:
         raise ConfigError(setting[0], repr(setting[1]), " or ".join(COMPRESSIONS))
 
 
 def _check_files() -> None:
     names = ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE")
-    settings = {name: _otlp(name) for name in names}
+    settings = {name: otlp_setting(name) for name in names}
     for setting in settings.values():
         if setting is None:
             continue
@@ -237,7 +238,7 @@ def _positive_number(variable: str, default: float, unit: str, report: bool = Tr
 
 
 def _otlp_timeout(report: bool = True) -> float:
-    setting = _otlp("TIMEOUT")
+    setting = otlp_setting("TIMEOUT")
     if setting is None:
         return DEFAULT_OTLP_TIMEOUT_S
     variable, _ = setting

@@ -35,7 +35,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_specdec import _instruments as names
-from otel_specdec._settings import DEFAULT_OTLP_TIMEOUT_S, ConfigError, env_value
+from otel_specdec._settings import DEFAULT_OTLP_TIMEOUT_S, ConfigError, env_value, otlp_setting
 from otel_specdec.version import __version__
 
 __all__ = ["ENABLE_ENV", "RequestSpanEmitter", "build_emitter", "enabled"]
@@ -72,14 +72,6 @@ def enabled(report: bool = True) -> bool:
     return False
 
 
-def _otlp_setting(name: str) -> tuple[str, str] | None:
-    for variable in (f"OTEL_EXPORTER_OTLP_TRACES_{name}", f"OTEL_EXPORTER_OTLP_{name}"):
-        value = env_value(variable)
-        if value is not None:
-            return variable, value
-    return None
-
-
 def _exporters() -> list[str]:
     raw = env_value("OTEL_TRACES_EXPORTER") or "otlp"
     chosen = [name.strip().lower() for name in raw.split(",") if name.strip()]
@@ -94,7 +86,7 @@ def _span_exporter(name: str) -> Any:
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
         return ConsoleSpanExporter()
-    protocol = _otlp_setting("PROTOCOL")
+    protocol = otlp_setting("PROTOCOL", "TRACES")
     if protocol is not None and protocol[1] not in PROTOCOLS:
         raise ConfigError(protocol[0], repr(protocol[1]), " or ".join(PROTOCOLS))
     if protocol is None or protocol[1] == "grpc":
@@ -107,7 +99,7 @@ def _span_exporter(name: str) -> Any:
 
 
 def export_timeout_s() -> float:
-    setting = _otlp_setting("TIMEOUT")
+    setting = otlp_setting("TIMEOUT", "TRACES")
     try:
         value = float(setting[1]) if setting else DEFAULT_OTLP_TIMEOUT_S
     except ValueError:
@@ -157,7 +149,8 @@ class RequestSpanEmitter:
                 _logger.warning("otel_specdec: more than %d finished requests wait for their "
                                 "span; dropping spans until the backlog clears", MAX_PENDING)
             return
-        reason = request.get_finished_reason()
+        finished_reason = getattr(request, "get_finished_reason", None)
+        reason = finished_reason() if finished_reason is not None else None
         self._queue.put((getattr(request, "trace_headers", None),
                          str(reason) if reason is not None else None,
                          detail, totals, time.time_ns()))

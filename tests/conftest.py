@@ -45,3 +45,21 @@ def reader() -> Iterator[object]:
     yield memory_reader
     instrumentor.uninstrument()
     provider.shutdown()
+
+
+@pytest.fixture
+def env_provider(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """The plugin instrumented with no provider and no OTEL_* settings: it
+    builds its own from the environment (as in an engine process) when a
+    scheduler is created. Set variables on the returned monkeypatch."""
+    from otel_specdec import SpecDecodeInstrumentor
+
+    for name in list(os.environ):
+        if name.startswith("OTEL_"):
+            monkeypatch.delenv(name)
+    instrumentor = SpecDecodeInstrumentor()
+    if instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.uninstrument()
+    instrumentor.instrument()
+    yield monkeypatch
+    instrumentor.uninstrument()

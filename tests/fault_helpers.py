@@ -27,6 +27,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def drain_lines(stream: Any) -> list[str]:
+    """The lines of ``stream``, collected by a thread (a child's full pipe
+    would block it)."""
+    lines: list[str] = []
+
+    def drain() -> None:
+        for line in stream:
+            lines.append(line)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return lines
+
+
 class HangingCollector:
     """Accepts connections on loopback and never answers (nor closes)."""
 
@@ -128,13 +141,7 @@ class EngineChild:
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True,
         )
-        self.stderr: list[str] = []
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
-
-    def _drain_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.stderr.append(line)
+        self.stderr = drain_lines(self.proc.stderr)
 
     def _next_marked_line(self) -> str:
         assert self.proc.stdout is not None
@@ -190,13 +197,7 @@ class ApiServer:
              "--speculative-config", json.dumps(speculative_config), *extra_args],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
-        self.stderr: list[str] = []
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
-
-    def _drain_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.stderr.append(line)
+        self.stderr = drain_lines(self.proc.stderr)
 
     def log_tail(self, chars: int = 6000) -> str:
         return "".join(self.stderr)[-chars:]

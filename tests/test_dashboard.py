@@ -836,12 +836,13 @@ def test_queries_evaluate_to_the_metric_definitions(dashboard: dict, tmp_path: P
     path.write_text(
         json.dumps({"rule_files": [], "evaluation_interval": "1m", "tests": tests}, indent=1)
     )
+    _assert_promtool_tests_pass(promtool, path)
+
+
+def _assert_promtool_tests_pass(promtool: str, path: Path) -> None:
     proc = subprocess.run(
         [promtool, "test", "rules", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+        capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-20000:]
 
@@ -908,11 +909,4 @@ def test_expected_speedup_agrees_with_the_recording_rule(dashboard: dict, tmp_pa
             indent=1,
         )
     )
-    proc = subprocess.run(
-        [promtool, "test", "rules", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-20000:]
+    _assert_promtool_tests_pass(promtool, path)

@@ -44,21 +44,6 @@ def plugin_records(caplog: pytest.LogCaptureFixture, level: int = logging.WARNIN
     return [r for r in caplog.records if r.name.startswith("otel_specdec") and r.levelno >= level]
 
 
-@pytest.fixture
-def env_provider(monkeypatch) -> Any:
-    """The plugin instrumented with no provider: it builds its own from the
-    environment (as in an engine process) when a scheduler is created."""
-    for name in list(os.environ):
-        if name.startswith("OTEL_"):
-            monkeypatch.delenv(name)
-    instrumentor = SpecDecodeInstrumentor()
-    if instrumentor.is_instrumented_by_opentelemetry:
-        instrumentor.uninstrument()
-    instrumentor.instrument()
-    yield monkeypatch
-    instrumentor.uninstrument()
-
-
 def run_steps(model: str, steps: int = 6) -> SchedulerHarness:
     harness = SchedulerHarness(build_scheduler(model, K))
     harness.add_requests(4)

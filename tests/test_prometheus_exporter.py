@@ -8,10 +8,8 @@ first increase), delta ones only once they have data."""
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import urllib.request
-from typing import Any
 
 import pytest
 from fault_helpers import free_port
@@ -36,19 +34,6 @@ def accept_by_request(req_id: str, _drafts: list[int]) -> int:
     return sum(map(ord, req_id)) % (K + 1)
 
 
-@pytest.fixture
-def env_instrumented(monkeypatch) -> Any:
-    for name in list(os.environ):
-        if name.startswith("OTEL_"):
-            monkeypatch.delenv(name)
-    instrumentor = SpecDecodeInstrumentor()
-    if instrumentor.is_instrumented_by_opentelemetry:
-        instrumentor.uninstrument()
-    instrumentor.instrument()
-    yield monkeypatch
-    instrumentor.uninstrument()
-
-
 def scrape(port: int) -> dict[str, float]:
     """Every sample of the page, keyed ``name{sorted labels}``, plus label sets."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -64,11 +49,11 @@ def scrape(port: int) -> dict[str, float]:
     return samples
 
 
-def test_prometheus_exporter_serves_vllms_counts(tiny_model, env_instrumented):
+def test_prometheus_exporter_serves_vllms_counts(tiny_model, env_provider):
     port = free_port()
-    env_instrumented.setenv("OTEL_METRICS_EXPORTER", "prometheus")
-    env_instrumented.setenv("OTEL_EXPORTER_PROMETHEUS_HOST", "127.0.0.1")
-    env_instrumented.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", str(port))
+    env_provider.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    env_provider.setenv("OTEL_EXPORTER_PROMETHEUS_HOST", "127.0.0.1")
+    env_provider.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", str(port))
     harness = SchedulerHarness(build_scheduler(tiny_model, K))
     at_start = scrape(port)
     # Counters and histograms exist at zero before the first step.
@@ -103,14 +88,14 @@ def test_prometheus_exporter_serves_vllms_counts(tiny_model, env_instrumented):
 
 
 def test_prometheus_port_taken_is_one_line_and_the_scheduler_runs_on(
-        tiny_model, env_instrumented, caplog):
+        tiny_model, env_provider, caplog):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env_instrumented.setenv("OTEL_METRICS_EXPORTER", "prometheus")
-        env_instrumented.setenv("OTEL_EXPORTER_PROMETHEUS_HOST", "127.0.0.1")
-        env_instrumented.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", str(port))
+        env_provider.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+        env_provider.setenv("OTEL_EXPORTER_PROMETHEUS_HOST", "127.0.0.1")
+        env_provider.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", str(port))
         with caplog.at_level(logging.INFO, logger="otel_specdec"):
             harness = SchedulerHarness(build_scheduler(tiny_model, K))
             harness.add_requests(2)
@@ -125,9 +110,9 @@ def test_prometheus_port_taken_is_one_line_and_the_scheduler_runs_on(
 
 
 @pytest.mark.parametrize("value", ["94x4", "70000", "0"])
-def test_bad_prometheus_port_value(tiny_model, env_instrumented, caplog, value):
-    env_instrumented.setenv("OTEL_METRICS_EXPORTER", "prometheus")
-    env_instrumented.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", value)
+def test_bad_prometheus_port_value(tiny_model, env_provider, caplog, value):
+    env_provider.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    env_provider.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", value)
     with caplog.at_level(logging.INFO, logger="otel_specdec"):
         SchedulerHarness(build_scheduler(tiny_model, K))
     [record] = [r for r in caplog.records if r.name.startswith("otel_specdec")]
