@@ -24,8 +24,10 @@ class SpecDecodeInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     vLLM's scheduler in this process. Without ``meter_provider``, the global
     SDK provider is used if there is one, otherwise the plugin builds its
     own from the ``OTEL_*`` environment when the first speculative engine
-    starts. The vLLM general plugin calls this same instrumentor, so both
-    activation paths share one patch and never count twice.
+    starts. ``tracer_provider`` is used for request spans when
+    ``OTEL_SPECDEC_TRACES=true`` (else the global SDK one, else the
+    plugin's own). The vLLM general plugin calls this same instrumentor, so
+    both activation paths share one patch and never count twice.
     """
 
     def instrumentation_dependencies(self) -> Collection[str]:
