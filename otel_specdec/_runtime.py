@@ -104,12 +104,12 @@ class Runtime:
     def flush(self) -> None:
         if self.closed:
             return
-        if self.spans is not None:
-            self.spans.flush(_tracing.export_timeout_s())
         try:
             self.provider.force_flush(timeout_millis=self.final_export_budget_ms)
         except Exception:
             _logger.warning("otel_specdec: flushing metrics failed", exc_info=True)
+        if self.spans is not None:
+            self.spans.flush(_tracing.export_timeout_s())
 
     def close(self) -> None:
         """Stop reporting; shut the plugin's own provider down (final export)."""
@@ -117,8 +117,6 @@ class Runtime:
             if self.closed:
                 return
             self.closed = True
-        if self.spans is not None:
-            self.spans.close(_tracing.export_timeout_s())
         if self.owns_provider:
             try:
                 # The reader's last collection runs in its thread, bounded by
@@ -129,6 +127,9 @@ class Runtime:
         else:
             bind_counters(self.provider, None)
         self.injector.detach_all()
+        # Metrics first: they are the complete record; spans are samples.
+        if self.spans is not None:
+            self.spans.close(_tracing.export_timeout_s())
 
 
 _lock = threading.Lock()

@@ -77,7 +77,9 @@ def test_offline_request_spans_in_their_traces_sum_to_vllm(tiny_model):
         assert attrs[names.ATTR_METHOD] == "ngram"
         assert span.start_ns < span.end_ns
     # The spans and the metrics come from the same process identity.
-    [metric_series] = store.series(names.DRAFTS)
+    series = store.series(names.DRAFTS)
+    assert len(series) == 1, result.get("stderr", "")[-8000:]
+    [metric_series] = series
     assert {s.resource["service.instance.id"] for s in spans} == {
         metric_series.resource["service.instance.id"]}
     # Exemplars of the rate histogram open those spans.
