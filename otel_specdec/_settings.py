@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 __all__ = [
-    "ConfigError", "ExportSettings", "env_value", "final_export_budget_s", "otlp_setting",
-    "read_settings", "redact_url",
+    "ConfigError", "ExportSettings", "env_flag", "env_value", "final_export_budget_s",
+    "otlp_setting", "otlp_timeout_s", "read_settings", "redact_url",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -237,8 +237,10 @@ def _positive_number(variable: str, default: float, unit: str, report: bool = Tr
     return value
 
 
-def _otlp_timeout(report: bool = True) -> float:
-    setting = otlp_setting("TIMEOUT")
+def otlp_timeout_s(signal: str = "METRICS", report: bool = True) -> float:
+    """Seconds one OTLP export of ``signal`` may take; a bad value falls
+    back to the default (with one error line when ``report``)."""
+    setting = otlp_setting("TIMEOUT", signal)
     if setting is None:
         return DEFAULT_OTLP_TIMEOUT_S
     variable, _ = setting
@@ -248,7 +250,21 @@ def _otlp_timeout(report: bool = True) -> float:
 def final_export_budget_s() -> float:
     """The engine's final-export budget, as a process that does not export
     (the API server) can tell it: no checks, no log lines."""
-    return _otlp_timeout(report=False)
+    return otlp_timeout_s(report=False)
+
+
+def env_flag(name: str, default: bool, consequence: str, report: bool = True) -> bool:
+    """A true/false variable; unset or empty gives ``default``, and so does a
+    bad value, with one error line saying ``consequence``."""
+    value = (os.environ.get(name) or "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value and report:
+        _logger.error("otel_specdec: %s=%r is not valid: expected true or false; %s",
+                      name, value, consequence)
+    return default
 
 
 def read_settings() -> ExportSettings:
@@ -266,7 +282,7 @@ def read_settings() -> ExportSettings:
     return ExportSettings(
         exporters=exporters,
         protocol=protocol,
-        otlp_timeout_s=_otlp_timeout() if "otlp" in exporters else DEFAULT_OTLP_TIMEOUT_S,
+        otlp_timeout_s=otlp_timeout_s() if "otlp" in exporters else DEFAULT_OTLP_TIMEOUT_S,
         interval_ms=_positive_number(
             "OTEL_METRIC_EXPORT_INTERVAL", DEFAULT_INTERVAL_MS, "milliseconds"),
         export_timeout_ms=_positive_number(

@@ -35,7 +35,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_specdec import _instruments as names
-from otel_specdec._settings import DEFAULT_OTLP_TIMEOUT_S, ConfigError, env_value, otlp_setting
+from otel_specdec._settings import (
+    PROTOCOLS,
+    ConfigError,
+    env_flag,
+    env_value,
+    otlp_setting,
+    otlp_timeout_s,
+)
 from otel_specdec.version import __version__
 
 __all__ = ["ENABLE_ENV", "RequestSpanEmitter", "build_emitter", "enabled"]
@@ -44,7 +51,6 @@ _logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "OTEL_SPECDEC_TRACES"
 TRACE_EXPORTERS = ("otlp", "console", "none")
-PROTOCOLS = ("grpc", "http/protobuf")
 # Finished requests waiting for their span; beyond this they are dropped
 # (counted, logged once) rather than growing memory.
 MAX_PENDING = 10_000
@@ -63,13 +69,7 @@ def configure(tracer_provider: Any | None) -> None:
 
 
 def enabled(report: bool = True) -> bool:
-    value = (os.environ.get(ENABLE_ENV) or "false").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if report and value not in ("0", "false", "no", "off", ""):
-        _logger.error("otel_specdec: %s=%r is not valid: expected true or false; "
-                      "request spans are off", ENABLE_ENV, value)
-    return False
+    return env_flag(ENABLE_ENV, False, "request spans are off", report)
 
 
 def _exporters() -> list[str]:
@@ -99,12 +99,7 @@ def _span_exporter(name: str) -> Any:
 
 
 def export_timeout_s() -> float:
-    setting = otlp_setting("TIMEOUT", "TRACES")
-    try:
-        value = float(setting[1]) if setting else DEFAULT_OTLP_TIMEOUT_S
-    except ValueError:
-        value = DEFAULT_OTLP_TIMEOUT_S
-    return value if value > 0 else DEFAULT_OTLP_TIMEOUT_S
+    return otlp_timeout_s("TRACES", report=False)
 
 
 def _own_provider(resource: Resource) -> TracerProvider | None:

@@ -9,7 +9,6 @@ where the scheduler runs, ever builds an exporter.
 from __future__ import annotations
 
 import logging
-import os
 
 __all__ = ["register"]
 
@@ -20,14 +19,9 @@ ENABLE_ENV = "OTEL_SPECDEC_ENABLED"
 
 
 def _enabled() -> bool:
-    value = os.environ.get(ENABLE_ENV, "true").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value not in ("1", "true", "yes", "on", ""):
-        _logger.error(
-            "otel_specdec: %s=%r is not a boolean; the plugin stays enabled", ENABLE_ENV, value
-        )
-    return True
+    from otel_specdec._settings import env_flag
+
+    return env_flag(ENABLE_ENV, True, "the plugin stays enabled")
 
 
 def register() -> None:
