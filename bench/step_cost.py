@@ -7,10 +7,11 @@ request and step over 0..k (full, partial and zero acceptance), requests
 finish after 64 to 192 tokens and new ones arrive to keep the batch full, so
 rows change owner and new requests prefill in the same steps, as in serving.
 
-Steps are timed in ABBA order (A: the wrapped method, the plugin's
-accounting on; B: the unwrapped original, ``__wrapped__``), so both see the
-same kinds of steps under the same machine noise. On each B step the anchor
-is timed too: vLLM's own speculative-decoding statistics path for that
+Two schedulers are fed identical streams, one with the plugin and one
+running vLLM's unwrapped methods (``__wrapped__``); each step both run the
+same step of their own stream, in ABBA order, so both see the same kinds of
+steps under the same machine noise. On each plain step the anchor is timed
+too: vLLM's own speculative-decoding statistics path for that
 step's requests (``Scheduler.make_spec_decoding_stats`` per request, as its
 loop calls it when stats logging is on, plus ``SpecDecodingProm.observe``,
 its Prometheus side). Reported: medians per step.
@@ -33,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -79,46 +81,84 @@ def _time_anchor(scheduler: Any, prom: Any, so: Any, items: list[tuple[int, int,
         scheduler.log_stats = False
 
 
+class _Stream:
+    """One scheduler fed a deterministic stream of requests and model outputs."""
+
+    def __init__(self, model_dir: str, batch: int, k: int, seed: int) -> None:
+        from scheduler_harness import SchedulerHarness, build_scheduler
+
+        self.harness = SchedulerHarness(build_scheduler(model_dir, k, log_stats=False,
+                                                        max_num_seqs=max(batch, 1)))
+        self.scheduler = self.harness.scheduler
+        self.batch = batch
+        self.rng = random.Random(seed)
+        self.drafts = list(range(20, 20 + k))
+        self.step_no = 0
+
+    def accept(self, req_id: str, d: list[int]) -> int:
+        return (hash(req_id) + self.step_no) % (len(d) + 1)
+
+    def propose(self, _req_id: str) -> list[int]:
+        return self.drafts
+
+    def next_step(self) -> tuple[Any, Any]:
+        """Top the batch up, schedule, and make the model's output for it."""
+        for _ in range(self.batch - len(self.scheduler.requests)):
+            self.harness.add_requests(1, max_tokens=self.rng.randint(64, 192))
+        so = self.harness.schedule()
+        return so, self.harness.model_output(so, self.accept)
+
+    def finish_step(self, so: Any) -> None:
+        self.harness.propose(so, self.propose)
+        self.step_no += 1
+
+
 def measure(model_dir: str, batch: int, k: int, steps: int) -> dict[str, float]:
-    from scheduler_harness import SchedulerHarness, build_scheduler
+    """Two schedulers fed identical streams: one with the plugin, one without.
 
-    rng = random.Random(batch * 100 + k)
-    harness = SchedulerHarness(build_scheduler(model_dir, k, log_stats=False,
-                                               max_num_seqs=max(batch, 1)))
-    scheduler = harness.scheduler
-    prom = _prometheus_side(scheduler)
-    drafts = list(range(20, 20 + k))
-    step_no = [0]
-
-    def accept(req_id: str, d: list[int]) -> int:
-        return (hash(req_id) + step_no[0]) % (len(d) + 1)
-
-    def top_up() -> None:
-        for _ in range(batch - len(scheduler.requests)):
-            harness.add_requests(1, max_tokens=rng.randint(64, 192))
-
-    top_up()
-    for _ in range(3):  # prefill and first drafts
-        harness.step(accept, lambda r: drafts)
-    original = type(scheduler).update_from_output.__wrapped__
+    Each step both run the same step of their own stream; which one runs
+    first alternates (ABBA), so both see the same machine noise. The plain
+    scheduler runs vLLM's unwrapped methods only (``update_from_output`` and,
+    through an instance attribute, ``_free_request``), so its time holds none
+    of the plugin's work.
+    """
+    seed = batch * 100 + k
+    with_plugin = _Stream(model_dir, batch, k, seed)
+    plain = _Stream(model_dir, batch, k, seed)
+    cls = type(plain.scheduler)
+    original_update = cls.update_from_output.__wrapped__
+    original_free = cls._free_request.__wrapped__
+    plain.scheduler._free_request = types.MethodType(original_free, plain.scheduler)
+    prom = _prometheus_side(plain.scheduler)
     wrapped_t: list[float] = []
     plain_t: list[float] = []
     anchor_t: list[float] = []
-    for step in range(2 * steps):
-        step_no[0] = step
-        top_up()
-        so = harness.schedule()
-        mro = harness.model_output(so, accept)
-        if step % 4 in (0, 3):
-            t0 = time.perf_counter()
-            scheduler.update_from_output(so, mro)
-            wrapped_t.append(time.perf_counter() - t0)
+
+    def run_with_plugin(so: Any, mro: Any) -> None:
+        t0 = time.perf_counter()
+        with_plugin.scheduler.update_from_output(so, mro)
+        wrapped_t.append(time.perf_counter() - t0)
+
+    def run_plain(so: Any, mro: Any) -> None:
+        anchor_t.append(_time_anchor(plain.scheduler, prom, so,
+                                     _anchor_inputs(plain.harness, so, mro)))
+        t0 = time.perf_counter()
+        original_update(plain.scheduler, so, mro)
+        plain_t.append(time.perf_counter() - t0)
+
+    for step in range(steps + 3):
+        a, b = with_plugin.next_step(), plain.next_step()
+        if step < 3:  # prefill and first drafts, untimed
+            with_plugin.scheduler.update_from_output(*a)
+            original_update(plain.scheduler, *b)
+        elif step % 4 in (0, 3):
+            run_with_plugin(*a)
+            run_plain(*b)
         else:
-            anchor_t.append(_time_anchor(scheduler, prom, so, _anchor_inputs(harness, so, mro)))
-            t0 = time.perf_counter()
-            original(scheduler, so, mro)
-            plain_t.append(time.perf_counter() - t0)
-        harness.propose(so, lambda r: drafts)
+            run_plain(*b)
+            run_with_plugin(*a)
+        with_plugin.finish_step(a[0])
+        plain.finish_step(b[0])
     return {
         "plain": statistics.median(plain_t),
         "wrapped": statistics.median(wrapped_t),

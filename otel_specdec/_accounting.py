@@ -40,7 +40,12 @@ from typing import Any, NamedTuple, Protocol
 
 from otel_specdec._instruments import REQUEST_RATE_BOUNDS
 from otel_specdec._request_details import RequestDetails, tail_sums
-from otel_specdec._row_tallies import RowTallies
+from otel_specdec._row_tallies import ColumnTallies, RowTallies
+
+try:
+    from otel_specdec import _rowscan as NATIVE_KERNEL
+except ImportError:  # built without a C compiler: the pure-Python paths serve
+    NATIVE_KERNEL = None
 
 __all__ = ["SpecDecodeTotals", "StepAccountant", "TotalsSnapshot"]
 
@@ -183,6 +188,7 @@ class StepAccountant:
         "vectorise_from",
         "_requests",
         "_tallies",
+        "_kernel",
         "_num_sampled",
         "_track_padding",
         "_stale_possible",
@@ -212,7 +218,13 @@ class StepAccountant:
         # path's fixed cost per step outweighs the loop there).
         self.vectorise_from = VECTORISE_FROM_BATCH
         self._requests = requests
-        self._tallies = RowTallies(totals.num_speculative_tokens)
+        # The C pass (one pass per step) when it was built; otherwise the
+        # vectorised path's builtin passes.
+        self._kernel = NATIVE_KERNEL
+        self._tallies: ColumnTallies | RowTallies = (
+            ColumnTallies() if NATIVE_KERNEL is not None
+            else RowTallies(totals.num_speculative_tokens)
+        )
         self._num_sampled = num_sampled_per_step
         # Under async scheduling every scheduled draft is a -1 placeholder,
         # so padding cannot be told apart there.
@@ -263,12 +275,17 @@ class StepAccountant:
             and self._num_sampled == 1
             and sampled_token_ids
         ):
-            empty = self._observe_vectorised(
+            observe = (
+                self._observe_vectorised if self._kernel is None else self._observe_native
+            )
+            empty = observe(
                 spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index,
                 req_ids, skip,
             )
         if empty is None:
             self._prev_sampled = None
+            if self._kernel is not None:
+                self._tallies.prev_valid = False  # type: ignore[union-attr]
             if spec_tokens:
                 self._observe_exact(
                     spec_tokens, sampled_token_ids, req_id_to_index, invalid_spec_tokens, skip
@@ -348,6 +365,111 @@ class StepAccountant:
 
         if padding:
             totals.padding_tokens += padding
+
+    def _observe_native(
+        self,
+        spec_tokens: Mapping[str, Sequence[int]],
+        num_scheduled_tokens: Mapping[str, int],
+        sampled_token_ids: Sequence[Sequence[int]],
+        row_of: Mapping[str, int],
+        rows: Sequence[str],
+        skip: set[str] | None,
+    ) -> int | None:
+        """The common step in one C pass (``_rowscan``), in row space.
+
+        Returns the step's empty proposals, or None when it declined the step
+        and counted nothing (then the exact path runs). Python work is spent
+        only on rows that changed owner, rows vLLM skips, and one-token rows
+        the C pass could not tell were decoding.
+        """
+        n = len(rows)
+        requests = self._requests
+        if (
+            type(rows) is not list
+            or type(sampled_token_ids) is not list
+            or type(spec_tokens) is not dict
+            or type(num_scheduled_tokens) is not dict
+            or len(sampled_token_ids) != n
+            or row_of.get(rows[0]) != 0
+            or row_of.get(rows[-1]) != n - 1
+            or (self._stale_possible and type(requests) is not dict)
+        ):
+            return None  # not a layout the C pass knows
+        if self._freed:
+            gone = [r for r in self._freed if r in spec_tokens]
+            if gone:
+                skip = skip.union(gone) if skip else set(gone)
+        columns: ColumnTallies = self._tallies  # type: ignore[assignment]
+        columns.fit(n, row_of)
+        result = self._kernel.scan(  # type: ignore[union-attr]
+            rows, sampled_token_ids, spec_tokens, num_scheduled_tokens, columns.owners,
+            columns.accepted, columns.drafted, columns.had_output, columns.prev_valid,
+            self._track_padding,
+            requests if self._stale_possible and self._check_stale else None,
+        )
+        if result is None:
+            return None  # a preempted request's in-flight output: rare, exact path
+        accepted_counts, drafted_counts, padding, empty, changed, suspects, overflow = result
+        for row in changed:
+            req_id = rows[row]
+            columns.adopt(row, req_id)
+            sampled = len(sampled_token_ids[row])
+            drafted = len(spec_tokens.get(req_id, ()))
+            if sampled and drafted:
+                columns.add(row, drafted, sampled - 1)
+        # (accepted, drafted, +1 or -1) per draft not in the two counts.
+        extra = [(a, d, 1) for a, d in overflow]
+        if skip:
+            padding, empty = self._unskip(
+                skip, rows, row_of, sampled_token_ids, spec_tokens, num_scheduled_tokens,
+                set(suspects), extra, padding, empty,
+            )
+        for row in suspects:
+            req_id = rows[row]
+            if (skip is None or req_id not in skip) and _is_decoding(requests.get(req_id)):
+                empty += 1
+        totals = self.totals
+        _add_counts(totals, totals.accepted_hist, enumerate(accepted_counts))
+        _add_counts(totals, totals.drafted_hist, enumerate(drafted_counts))
+        for accepted, drafted, sign in extra:
+            _add_counts(totals, totals.accepted_hist, ((accepted, sign),))
+            _add_counts(totals, totals.drafted_hist, ((drafted, sign),))
+        if padding:
+            totals.padding_tokens += padding
+        columns.prev_valid = True
+        return empty
+
+    def _unskip(
+        self,
+        skip: set[str],
+        rows: Sequence[str],
+        row_of: Mapping[str, int],
+        sampled_token_ids: Sequence[Sequence[int]],
+        spec_tokens: Mapping[str, Sequence[int]],
+        num_scheduled_tokens: Mapping[str, int],
+        suspects: set[int],
+        extra: list[tuple[int, int, int]],
+        padding: int,
+        empty: int,
+    ) -> tuple[int, int]:
+        """Take back what the C pass counted for rows vLLM skips (freed, failed)."""
+        columns: ColumnTallies = self._tallies  # type: ignore[assignment]
+        for req_id in skip:
+            row = row_of.get(req_id)
+            if row is None or row >= len(rows) or rows[row] != req_id:
+                continue
+            sampled = len(sampled_token_ids[row])
+            drafts = spec_tokens.get(req_id) or ()
+            if not sampled:
+                continue
+            if drafts:
+                extra.append((sampled - 1, len(drafts), -1))
+                columns.add(row, -len(drafts), 1 - sampled)
+                if self._track_padding and drafts[-1] < 0:
+                    padding -= list(drafts).count(-1)
+            elif num_scheduled_tokens.get(req_id) == 1 and row not in suspects:
+                empty -= 1
+        return padding, empty
 
     def _observe_vectorised(
         self,
@@ -500,7 +622,12 @@ class StepAccountant:
     def _prune_freed(self) -> None:
         oldest = self._step - self._freed_keep_steps
         freed = self._freed
-        for req_id in [r for r, step in freed.items() if step < oldest]:
+        expired = []
+        for req_id, step in freed.items():  # in the order freed
+            if step >= oldest:
+                break
+            expired.append(req_id)
+        for req_id in expired:
             del freed[req_id]
 
     def _count_empty_proposals(
@@ -542,6 +669,8 @@ class StepAccountant:
     def observe_freed(self, request_id: str, request: Any = None) -> None:
         """Record a finished (or aborted) request's acceptance rate (and span)."""
         drafted, accepted = self._tallies.take(request_id)
+        # Kept in the order freed (pruning stops at the first recent one).
+        self._freed.pop(request_id, None)
         self._freed[request_id] = self._step
         if drafted > 0:
             self.totals.observe_request(drafted, accepted)

@@ -3,8 +3,8 @@
 Each test drives vLLM's own ``Scheduler`` (see ``scheduler_harness``) and
 compares what the plugin exported with vLLM's own ``SpecDecodingStats`` for
 the same steps, and with expectations computed from the test's own plan.
-Every test runs twice: through the exact (per-request) accounting path and
-through the vectorised one.
+Every test runs through each accounting path: the exact (per-request) one,
+the pure-Python vectorised one and the C pass.
 """
 
 from __future__ import annotations
@@ -49,14 +49,22 @@ def assert_matches_vllm(harness: SchedulerHarness, data) -> None:
     assert length.sum == vllm.drafts + vllm.accepted_tokens
 
 
-@pytest.fixture(params=["exact", "vectorised"])
+@pytest.fixture(params=["exact", "vectorised", "native"])
 def accounting_path(request, monkeypatch) -> str:
-    """Run each test through both accounting paths (they must agree with vLLM)."""
+    """Run each test through every accounting path (they must agree with vLLM).
+
+    "vectorised" is the pure-Python batch path, "native" the C pass
+    (``_rowscan``), which every CI install builds.
+    """
     from otel_specdec import _accounting
 
     monkeypatch.setattr(
-        _accounting, "VECTORISE_FROM_BATCH", 1 if request.param == "vectorised" else 10**9
+        _accounting, "VECTORISE_FROM_BATCH", 10**9 if request.param == "exact" else 1
     )
+    if request.param == "native":
+        assert _accounting.NATIVE_KERNEL is not None, "the C accelerator was not built"
+    else:
+        monkeypatch.setattr(_accounting, "NATIVE_KERNEL", None)
     return request.param
 
 
