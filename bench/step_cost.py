@@ -10,11 +10,12 @@ rows change owner and new requests prefill in the same steps, as in serving.
 Two schedulers are fed identical streams, one with the plugin and one
 running vLLM's unwrapped methods (``__wrapped__``); each step both run the
 same step of their own stream, in ABBA order, so both see the same kinds of
-steps under the same machine noise. On each plain step the anchor is timed
-too: vLLM's own speculative-decoding statistics path for that
+steps under the same machine noise. After each plain step the anchor is
+timed too: vLLM's own speculative-decoding statistics path for that
 step's requests (``Scheduler.make_spec_decoding_stats`` per request, as its
 loop calls it when stats logging is on, plus ``SpecDecodingProm.observe``,
-its Prometheus side). Reported: medians per step.
+its Prometheus side). Reported: medians per step; "added" is the median of
+the per-step differences (the same step of both streams).
 
     .venv/bin/python bench/step_cost.py [--batches 1,64,256,1024] [--ks 1,4,8] [--steps 200]
                                         [--tracing]
@@ -34,7 +35,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +56,17 @@ def _prometheus_side(scheduler: Any) -> Any:
     return PrivateProm(scheduler.vllm_config.speculative_config, ["engine"], {0: ["0"]})
 
 
-def _anchor_inputs(harness: Any, so: Any, mro: Any) -> list[tuple[int, int, str]]:
-    """(drafted, accepted, req_id) for each request vLLM's stats path would see."""
+def _anchor_inputs(so: Any, mro: Any) -> list[tuple[int, int, str]]:
+    """(drafted, accepted, req_id) for each request vLLM's stats path sees.
+
+    From the step's own objects only: every scheduled request of this
+    benchmark is live (none is aborted), and reading the scheduler's request
+    table here would warm the caches for the update timed next to it.
+    """
     out = []
     for req_id, drafts in so.scheduled_spec_decode_tokens.items():
         sampled = mro.sampled_token_ids[mro.req_id_to_index[req_id]]
-        if drafts and sampled and req_id in harness.scheduler.requests:
+        if drafts and sampled:
             out.append((len(drafts), len(sampled) - 1, req_id))
     return out
 
@@ -94,6 +99,7 @@ class _Stream:
         self.rng = random.Random(seed)
         self.drafts = list(range(20, 20 + k))
         self.step_no = 0
+        self._so: Any = None
 
     def accept(self, req_id: str, d: list[int]) -> int:
         return (hash(req_id) + self.step_no) % (len(d) + 1)
@@ -105,11 +111,11 @@ class _Stream:
         """Top the batch up, schedule, and make the model's output for it."""
         for _ in range(self.batch - len(self.scheduler.requests)):
             self.harness.add_requests(1, max_tokens=self.rng.randint(64, 192))
-        so = self.harness.schedule()
-        return so, self.harness.model_output(so, self.accept)
+        self._so = self.harness.schedule()
+        return self._so, self.harness.model_output(self._so, self.accept)
 
-    def finish_step(self, so: Any) -> None:
-        self.harness.propose(so, self.propose)
+    def finish_step(self) -> None:
+        self.harness.propose(self._so, self.propose)
         self.step_no += 1
 
 
@@ -118,17 +124,14 @@ def measure(model_dir: str, batch: int, k: int, steps: int) -> dict[str, float]:
 
     Each step both run the same step of their own stream; which one runs
     first alternates (ABBA), so both see the same machine noise. The plain
-    scheduler runs vLLM's unwrapped methods only (``update_from_output`` and,
-    through an instance attribute, ``_free_request``), so its time holds none
-    of the plugin's work.
+    scheduler runs vLLM's unwrapped ``update_from_output``, so its time holds
+    none of the plugin's work.
     """
     seed = batch * 100 + k
     with_plugin = _Stream(model_dir, batch, k, seed)
     plain = _Stream(model_dir, batch, k, seed)
     cls = type(plain.scheduler)
     original_update = cls.update_from_output.__wrapped__
-    original_free = cls._free_request.__wrapped__
-    plain.scheduler._free_request = types.MethodType(original_free, plain.scheduler)
     prom = _prometheus_side(plain.scheduler)
     wrapped_t: list[float] = []
     plain_t: list[float] = []
@@ -140,28 +143,32 @@ def measure(model_dir: str, batch: int, k: int, steps: int) -> dict[str, float]:
         wrapped_t.append(time.perf_counter() - t0)
 
     def run_plain(so: Any, mro: Any) -> None:
-        anchor_t.append(_time_anchor(plain.scheduler, prom, so,
-                                     _anchor_inputs(plain.harness, so, mro)))
         t0 = time.perf_counter()
         original_update(plain.scheduler, so, mro)
         plain_t.append(time.perf_counter() - t0)
+        # After the update, as vLLM runs it inside its loop on warm data.
+        anchor_t.append(_time_anchor(plain.scheduler, prom, so, _anchor_inputs(so, mro)))
 
     for step in range(steps + 3):
-        a, b = with_plugin.next_step(), plain.next_step()
+        # Each stream's step is built right before it runs, so both run on
+        # equally fresh objects.
         if step < 3:  # prefill and first drafts, untimed
-            with_plugin.scheduler.update_from_output(*a)
-            original_update(plain.scheduler, *b)
+            with_plugin.scheduler.update_from_output(*with_plugin.next_step())
+            original_update(plain.scheduler, *plain.next_step())
         elif step % 4 in (0, 3):
-            run_with_plugin(*a)
-            run_plain(*b)
+            run_with_plugin(*with_plugin.next_step())
+            run_plain(*plain.next_step())
         else:
-            run_plain(*b)
-            run_with_plugin(*a)
-        with_plugin.finish_step(a[0])
-        plain.finish_step(b[0])
+            run_plain(*plain.next_step())
+            run_with_plugin(*with_plugin.next_step())
+        with_plugin.finish_step()
+        plain.finish_step()
     return {
         "plain": statistics.median(plain_t),
         "wrapped": statistics.median(wrapped_t),
+        # The same step of both streams, run back to back: the difference
+        # of each pair cancels what varies from step to step.
+        "added": statistics.median(w - p for w, p in zip(wrapped_t, plain_t, strict=True)),
         "anchor": statistics.median(anchor_t),
     }
 
@@ -209,7 +216,7 @@ def main() -> None:
     for batch in [int(b) for b in args.batches.split(",")]:
         for k in [int(x) for x in args.ks.split(",")]:
             r = measure(model_dir, batch, k, args.steps)
-            added = r["wrapped"] - r["plain"]
+            added = r["added"]
             print(f"{batch:>6} {k:>3} {r['plain'] * 1e6:>13.1f} {r['wrapped'] * 1e6:>15.1f} "
                   f"{added * 1e6:>9.1f} {100 * added / r['plain']:>7.1f}% "
                   f"{r['anchor'] * 1e6:>14.1f} {added / r['anchor']:>11.2f}", flush=True)

@@ -33,7 +33,7 @@ import bisect
 import sys
 import time
 from collections import _count_elements  # type: ignore[attr-defined]
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from itertools import compress, filterfalse, repeat
 from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple, Protocol
@@ -54,7 +54,10 @@ Attributes = Mapping[str, Any]
 VECTORISE_FROM_BATCH = 32
 # Spilled tallies of requests that vanished without being freed are swept.
 _SWEEP_EVERY_STEPS = 4096
+# Released request ids are kept a few steps (see release); pruned this often.
+_PRUNE_FREED_EVERY_STEPS = 8
 
+_NO_INDEX: Mapping[str, int] = {}
 _LAST = itemgetter(-1)
 _IS_ONE = (1).__eq__
 _STALE_TOKENS = attrgetter("num_stale_output_tokens")
@@ -147,12 +150,16 @@ class SpecDecodeTotals:
     def observe_request(self, drafted: int, accepted: int) -> None:
         rate = accepted / drafted
         self.rate_buckets[bisect.bisect_left(REQUEST_RATE_BOUNDS, rate)] += 1
-        self.rate_sum += rate
+        self.add_rates(rate, rate, rate)
+
+    def add_rates(self, rate_sum: float, low: float, high: float) -> None:
+        """Add rates already counted in ``rate_buckets``: their sum, min and max."""
+        self.rate_sum += rate_sum
         for tracker in self.rate_trackers.values():
-            if rate < tracker[0]:
-                tracker[0] = rate
-            if rate > tracker[1]:
-                tracker[1] = rate
+            if low < tracker[0]:
+                tracker[0] = low
+            if high > tracker[1]:
+                tracker[1] = high
 
     def record_exemplar(self, rate: float, time_ns: int, trace_id: int, span_id: int) -> None:
         """Link ``rate``'s bucket to the request span that produced it."""
@@ -232,9 +239,10 @@ class StepAccountant:
         # Stale output exists only where a step can be in flight when a
         # request is preempted (async scheduling, pipeline parallelism).
         self._stale_possible = steps_in_flight > 0
-        # A freed request's id is remembered while steps scheduled before it
-        # was freed can still arrive (one more step as a margin).
-        self._freed_keep_steps = steps_in_flight + 1
+        # A released request's id is remembered while steps scheduled before
+        # it was freed can still arrive, and while it can still be in one of
+        # vLLM's sets of freed requests (two schedules).
+        self._freed_keep_steps = steps_in_flight + 3
         self._check_stale: bool | None = None
         # Statuses above this are finished (see _vllm_compat); None: ask the request.
         self._finished_above = finished_above
@@ -259,9 +267,16 @@ class StepAccountant:
         invalid_spec_tokens: Mapping[str, int] | None = None,
         skip_ids: Iterable[str] | None = None,
         req_ids: Sequence[str] | None = None,
+        released_ids: Collection[str] | None = None,
     ) -> None:
-        """Account one scheduler step, from the step's inputs only."""
+        """Account one scheduler step, from the step's inputs only.
+
+        ``released_ids``: requests freed since the last schedule (the step's
+        ``finished_req_ids``), released here if no hook released them.
+        """
         self._step += 1
+        if released_ids and not all(map(self._freed.__contains__, released_ids)):
+            self.release(released_ids)
         if self._check_stale is None and self._requests:
             self._check_stale = hasattr(
                 next(iter(self._requests.values())), "num_stale_output_tokens"
@@ -296,7 +311,7 @@ class StepAccountant:
             )
         if empty:
             self.totals.empty_proposals += empty
-        if self._freed:
+        if self._step % _PRUNE_FREED_EVERY_STEPS == 0 and self._freed:
             self._prune_freed()
         if self._step % _SWEEP_EVERY_STEPS == 0:
             self._tallies.drop_missing(self._requests)
@@ -361,7 +376,7 @@ class StepAccountant:
             drafted_hist[num_drafted] += 1
             add_tally(req_id, num_drafted, num_accepted)
             if details is not None:
-                details.add(req_id, num_drafted, num_accepted, now_ns)
+                details.add(request, num_drafted, num_accepted, now_ns)
 
         if padding:
             totals.padding_tokens += padding
@@ -392,33 +407,28 @@ class StepAccountant:
             or len(sampled_token_ids) != n
             or row_of.get(rows[0]) != 0
             or row_of.get(rows[-1]) != n - 1
-            or (self._stale_possible and type(requests) is not dict)
+            or type(requests) is not dict
         ):
             return None  # not a layout the C pass knows
-        if self._freed:
-            gone = [r for r in self._freed if r in spec_tokens]
-            if gone:
-                skip = skip.union(gone) if skip else set(gone)
         columns: ColumnTallies = self._tallies  # type: ignore[assignment]
-        columns.fit(n, row_of)
+        columns.row_of = row_of
+        if n != len(columns.owners):
+            columns.fit(n)
+        totals = self.totals
         result = self._kernel.scan(  # type: ignore[union-attr]
             rows, sampled_token_ids, spec_tokens, num_scheduled_tokens, columns.owners,
             columns.accepted, columns.drafted, columns.had_output, columns.prev_valid,
-            self._track_padding,
-            requests if self._stale_possible and self._check_stale else None,
+            self._track_padding, bool(self._stale_possible and self._check_stale), requests,
+            totals.accepted_hist, totals.drafted_hist,
         )
         if result is None:
             return None  # a preempted request's in-flight output: rare, exact path
-        accepted_counts, drafted_counts, padding, empty, changed, suspects, overflow = result
-        for row in changed:
-            req_id = rows[row]
-            columns.adopt(row, req_id)
-            sampled = len(sampled_token_ids[row])
-            drafted = len(spec_tokens.get(req_id, ()))
-            if sampled and drafted:
-                columns.add(row, drafted, sampled - 1)
-        # (accepted, drafted, +1 or -1) per draft not in the two counts.
-        extra = [(a, d, 1) for a, d in overflow]
+        padding, empty, spills, suspects, overflow = result
+        # Tallies of requests that left a row whose new owner the C pass set.
+        for req_id, drafted, accepted in spills:
+            columns.add_spilled(req_id, drafted, accepted)
+        # (accepted, drafted, +1 or -1) per draft not in the totals' histograms.
+        extra = [(a, d, 1) for a, d in overflow] if overflow else []
         if skip:
             padding, empty = self._unskip(
                 skip, rows, row_of, sampled_token_ids, spec_tokens, num_scheduled_tokens,
@@ -428,9 +438,6 @@ class StepAccountant:
             req_id = rows[row]
             if (skip is None or req_id not in skip) and _is_decoding(requests.get(req_id)):
                 empty += 1
-        totals = self.totals
-        _add_counts(totals, totals.accepted_hist, enumerate(accepted_counts))
-        _add_counts(totals, totals.drafted_hist, enumerate(drafted_counts))
         for accepted, drafted, sign in extra:
             _add_counts(totals, totals.accepted_hist, ((accepted, sign),))
             _add_counts(totals, totals.drafted_hist, ((drafted, sign),))
@@ -623,7 +630,7 @@ class StepAccountant:
         oldest = self._step - self._freed_keep_steps
         freed = self._freed
         expired = []
-        for req_id, step in freed.items():  # in the order freed
+        for req_id, step in freed.items():  # in the order released
             if step >= oldest:
                 break
             expired.append(req_id)
@@ -666,18 +673,63 @@ class StepAccountant:
                 empty += 1
         return empty
 
-    def observe_freed(self, request_id: str, request: Any = None) -> None:
-        """Record a finished (or aborted) request's acceptance rate (and span)."""
-        drafted, accepted = self._tallies.take(request_id)
-        # Kept in the order freed (pruning stops at the first recent one).
-        self._freed.pop(request_id, None)
-        self._freed[request_id] = self._step
-        if drafted > 0:
-            self.totals.observe_request(drafted, accepted)
+    def release(
+        self, request_ids: Collection[str] | None, *, end_of_step: bool = False
+    ) -> None:
+        """Finished (or aborted) requests: each tally becomes one acceptance rate.
+
+        ``request_ids`` is one of vLLM's sets of requests freed since a
+        schedule; the same id arrives in more than one (see ``_patch``), and
+        is counted once: released ids are kept a few steps. They also tell
+        the pure-Python vectorised path which requests of a step in flight
+        vLLM skips.
+
+        ``end_of_step``: after the host's update. Then the step's batch index
+        is let go: the host frees it with the step's output, and the last
+        reference should not be the plugin's (freeing it costs microseconds);
+        releases between steps find rows by searching them.
+        """
+        tallies = self._tallies
+        row_of = tallies.row_of
+        if end_of_step:
+            tallies.row_of = _NO_INDEX
+        if not request_ids:
+            return
+        freed = self._freed
+        new = (
+            request_ids.difference(freed) if isinstance(request_ids, set)
+            else set(request_ids).difference(freed)
+        )
+        if not new:
+            return
+        freed.update(dict.fromkeys(new, self._step))
+        totals = self.totals
         if self._details is not None:
-            detail = self._details.take(request_id)
-            if detail is not None and drafted > 0 and request is not None:
-                self._spans.submit(request, detail, self.totals)  # type: ignore[union-attr]
+            self._submit_spans(new)
+        if self._kernel is not None and type(row_of) is dict:
+            count, rate_sum, low, high = self._kernel.release(
+                new, row_of, tallies.owners, tallies.accepted,  # type: ignore[union-attr]
+                tallies.drafted, tallies.spilled, REQUEST_RATE_BOUNDS, totals.rate_buckets,
+            )
+            if count:
+                totals.add_rates(rate_sum, low, high)
+            return
+        tallies.row_of = row_of
+        try:
+            for request_id in new:
+                drafted, accepted = tallies.take(request_id)
+                if drafted > 0:
+                    totals.observe_request(drafted, accepted)
+        finally:
+            if end_of_step:
+                tallies.row_of = _NO_INDEX
+
+    def _submit_spans(self, request_ids: Iterable[str]) -> None:
+        """Hand finished requests' detail to the span sink (request spans on)."""
+        for request_id in request_ids:
+            detail = self._details.take(request_id)  # type: ignore[union-attr]
+            if detail is not None and detail.drafts > 0:
+                self._spans.submit(detail.request, detail, self.totals)  # type: ignore[union-attr]
 
     def forget_requests(self) -> None:
         self._tallies.clear()

@@ -9,10 +9,15 @@ Target: ``vllm.v1.core.sched.scheduler.Scheduler`` (subclasses such as
   call's own arguments. Before, because the host mutates request state and
   output lists as it goes; the accounting reads exactly what the host's own
   statistics code reads at the top of its loop. The host's result is
-  returned untouched.
-* ``_free_request``: every finished or aborted request passes here; its
-  tally becomes one per-request acceptance-rate value, and its id is kept a
-  few steps so that steps already in flight skip it as vLLM does.
+  returned untouched. After the host's update, the requests it finished
+  are read in bulk from vLLM's own set of requests freed since the last
+  schedule (``Scheduler.finished_req_ids``); each tally becomes one
+  per-request acceptance-rate value. No hook runs per finished request.
+  Before the step, the step's own set (``SchedulerOutput.finished_req_ids``)
+  is a safety net for requests freed where no hook saw them.
+* ``finish_requests``: after the host's (aborts, between steps), the
+  requests it freed are released the same way, so an engine that goes idle
+  after an abort still exports their rates.
 * ``shutdown``: after the host's, export what the engine counted: the last
   engine of the plugin's own provider shuts it down (one final export,
   bounded by the export timeout, well inside vLLM's grace period before it
@@ -34,7 +39,6 @@ logging every step.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from typing import Any
 
@@ -68,9 +72,9 @@ def _attach(scheduler: Any) -> StepAccountant | None:
         if runtime is not None:
             accountant = runtime.accountant_for(scheduler, info)
             scheduler.__dict__[_RUNTIME_ATTR] = runtime
-            if "_free_request" not in _wrapped_methods:
-                # The vectorised path learns of freed requests from this hook.
-                accountant.vectorise_from = sys.maxsize
+            if _vllm_compat.finished_request_ids(scheduler) is None:
+                _logger.warning("otel_specdec: this vLLM's scheduler has no finished_req_ids; "
+                                "per-request acceptance rates are not recorded")
     scheduler.__dict__[_ACCOUNTANT_ATTR] = (_runtime.generation(), accountant)
     return accountant
 
@@ -117,27 +121,46 @@ def _split_update_args(args: Any, kwargs: Any) -> tuple[Any, Any]:
 
 
 def _update_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    # Every step: few Python calls (each costs about a microsecond here).
+    accountant = None
     try:
-        accountant = _accountant(instance)
+        entry = instance.__dict__.get(_ACCOUNTANT_ATTR)
+        if entry is not None and entry[0] == _runtime.generation_now:
+            accountant = entry[1]
+        else:
+            accountant = _accountant(instance)
         if accountant is not None:
-            scheduler_output, model_runner_output = _split_update_args(args, kwargs)
+            if len(args) == 2:
+                scheduler_output, model_runner_output = args
+            else:
+                scheduler_output, model_runner_output = _split_update_args(args, kwargs)
             accountant.observe_step(
                 *_vllm_compat.step_inputs(scheduler_output, model_runner_output)
             )
     except Exception:
+        accountant = None
         _disable(instance, "Scheduler.update_from_output")
-    return wrapped(*args, **kwargs)
+    result = wrapped(*args, **kwargs)
+    if accountant is not None:
+        try:
+            # Requests this update finished: their rates are exported now,
+            # even if the engine then goes idle.
+            accountant.release(
+                getattr(instance, _vllm_compat.FINISHED_IDS_ATTR, None), end_of_step=True
+            )
+        except Exception:
+            _disable(instance, "Scheduler.update_from_output")
+    return result
 
 
-def _free_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+def _finish_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     result = wrapped(*args, **kwargs)
     try:
         accountant = _attached(instance)
         if accountant is not None:
-            request = args[0] if args else kwargs["request"]
-            accountant.observe_freed(request.request_id, request)
+            accountant.release(_vllm_compat.finished_request_ids(instance))
     except Exception:
-        _disable(instance, "Scheduler._free_request")
+        _disable(instance, "Scheduler.finish_requests")
     return result
 
 
@@ -148,6 +171,8 @@ def _shutdown_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> An
         try:
             accountant = _attached(instance)
             if accountant is not None:
+                # Requests finished since the last update (aborted at shutdown).
+                accountant.release(_vllm_compat.finished_request_ids(instance))
                 accountant.forget_requests()
             runtime = instance.__dict__.pop(_RUNTIME_ATTR, None)
             if runtime is not None:
@@ -156,10 +181,15 @@ def _shutdown_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> An
             _logger.warning("otel_specdec: flush at shutdown failed", exc_info=True)
 
 
+_MISSING_METHOD_EFFECT = {
+    "finish_requests": "aborted requests' rates are recorded at the next step",
+    "shutdown": "metrics are not flushed at shutdown",
+}
+
 _WRAPPERS = {
     "__init__": _init_wrapper,
     "update_from_output": _update_wrapper,
-    "_free_request": _free_wrapper,
+    "finish_requests": _finish_wrapper,
     "shutdown": _shutdown_wrapper,
 }
 
@@ -185,8 +215,7 @@ def install() -> bool:
             if not _vllm_compat.has_method(scheduler_cls, method):
                 _logger.warning(
                     "otel_specdec: Scheduler.%s not found; %s", method,
-                    "per-request acceptance rates are not recorded"
-                    if method == "_free_request" else "metrics are not flushed at shutdown",
+                    _MISSING_METHOD_EFFECT[method],
                 )
                 continue
             wrap_function_wrapper(scheduler_cls, method, _WRAPPERS[method])

@@ -10,6 +10,7 @@ them over when the request is freed.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = ["RequestDetail", "RequestDetails", "tail_sums"]
 
@@ -17,9 +18,12 @@ __all__ = ["RequestDetail", "RequestDetails", "tail_sums"]
 class RequestDetail:
     """One request's drafts so far, as two histograms of small integers."""
 
-    __slots__ = ("first_ns", "accepted_hist", "drafted_hist")
+    __slots__ = ("request", "first_ns", "accepted_hist", "drafted_hist")
 
-    def __init__(self, first_ns: int, size: int) -> None:
+    def __init__(self, request: Any, first_ns: int, size: int) -> None:
+        # vLLM's Request: its trace context and finish reason make the span,
+        # which is built after the scheduler has let the request go.
+        self.request = request
         self.first_ns = first_ns
         # [a]: drafts that accepted a tokens; [n]: drafts that verified n.
         self.accepted_hist = [0] * size
@@ -61,10 +65,11 @@ class RequestDetails:
         self._size = k + 1
         self._by_id: dict[str, RequestDetail] = {}
 
-    def add(self, req_id: str, drafted: int, accepted: int, now_ns: int) -> None:
+    def add(self, request: Any, drafted: int, accepted: int, now_ns: int) -> None:
+        req_id = request.request_id
         detail = self._by_id.get(req_id)
         if detail is None:
-            detail = self._by_id[req_id] = RequestDetail(now_ns, self._size)
+            detail = self._by_id[req_id] = RequestDetail(request, now_ns, self._size)
         top = max(drafted, accepted)
         if top >= len(detail.accepted_hist):
             grow = [0] * (top + 1 - len(detail.accepted_hist))

@@ -38,13 +38,14 @@ __all__ = ["ColumnTallies", "RowTallies"]
 class _SpillingTallies:
     """Row tallies plus those of requests that left their row (spilled)."""
 
-    __slots__ = ("owners", "spilled", "_row_of")
+    __slots__ = ("owners", "spilled", "row_of")
 
     def __init__(self) -> None:
         self.owners: list[str | None] = []
         # req_id -> (drafted, accepted) of requests no longer in their row.
         self.spilled: dict[str, tuple[int, int]] = {}
-        self._row_of: Mapping[str, int] = {}
+        # The batch index (req_id -> row) of the last step aligned.
+        self.row_of: Mapping[str, int] = {}
 
     def _row_counts(self, row: int) -> tuple[int, int]:
         """(drafted, accepted) of the row's owner since it arrived."""
@@ -79,7 +80,7 @@ class _SpillingTallies:
 
     def _find(self, req_id: str) -> int | None:
         owners = self.owners
-        row = self._row_of.get(req_id)
+        row = self.row_of.get(req_id)
         if row is not None and row < len(owners) and owners[row] == req_id:
             return row
         # The index may be the model runner's live dict, since changed.
@@ -118,7 +119,7 @@ class RowTallies(_SpillingTallies):
         Returns the rows whose owner changed (new rows included), or None when
         most did and the columns were re-keyed instead.
         """
-        self._row_of = row_of
+        self.row_of = row_of
         owners = self.owners
         if rows == owners:
             return []
@@ -170,7 +171,7 @@ class RowTallies(_SpillingTallies):
         self.sampled = []
         self.drafted = []
         self.spilled.clear()
-        self._row_of = {}
+        self.row_of = {}
 
     def _row_counts(self, row: int) -> tuple[int, int]:
         """(drafted, accepted) of the row's owner since it arrived."""
@@ -184,12 +185,11 @@ class RowTallies(_SpillingTallies):
 class ColumnTallies(_SpillingTallies):
     """Row tallies as plain counts in C-writable buffers, for ``_rowscan``.
 
-    The C pass adds each verified draft to its row when the row's owner is
-    unchanged and reports the rows whose owner changed; ``adopt`` gives those
-    their new owner (the previous one's tally is spilled) and their step.
-    ``had_output`` is the C pass's memory of which rows produced output in
-    the previous step; ``prev_valid`` says whether the previous step went
-    through the C pass at all.
+    The C pass adds each verified draft to its row; a row whose owner
+    changed is given its new owner there, and the previous owner's tally is
+    handed back to be spilled. ``had_output`` is the C pass's memory of which
+    rows produced output in the previous step; ``prev_valid`` says whether
+    the previous step went through the C pass at all.
     """
 
     __slots__ = ("accepted", "drafted", "had_output", "prev_valid")
@@ -201,31 +201,39 @@ class ColumnTallies(_SpillingTallies):
         self.had_output = bytearray()
         self.prev_valid = False
 
-    def fit(self, n: int, row_of: Mapping[str, int]) -> None:
+    def fit(self, n: int) -> None:
         """Hold ``n`` rows; rows at and past ``n`` leave the batch (spilled)."""
-        self._row_of = row_of
-        owners = self.owners
-        m = len(owners)
+        m = len(self.owners)
+        if n == m:
+            return
         if n > m:
-            owners.extend([None] * (n - m))
-            self.accepted.extend([0] * (n - m))
-            self.drafted.extend([0] * (n - m))
+            self.owners.extend([None] * (n - m))
+            self.accepted.extend(repeat(0, n - m))
+            self.drafted.extend(repeat(0, n - m))
             self.had_output.extend(bytes(n - m))
             return
-        if n < m:
-            for row in range(n, m):
-                self._spill_row(row)
-            del owners[n:], self.accepted[n:], self.drafted[n:], self.had_output[n:]
-
-    def adopt(self, row: int, req_id: str) -> None:
-        """``req_id`` now owns ``row``."""
-        self._spill_row(row)
-        self._reset_row(row)
-        self.owners[row] = req_id
+        for row in range(n, m):
+            self._spill_row(row)
+        del self.owners[n:], self.accepted[n:], self.drafted[n:], self.had_output[n:]
 
     def add(self, row: int, drafted: int, accepted: int) -> None:
         self.accepted[row] += accepted
         self.drafted[row] += drafted
+
+    def take(self, req_id: str) -> tuple[int, int]:
+        owners = self.owners
+        row = self.row_of.get(req_id)
+        if row is None or row >= len(owners) or owners[row] != req_id:
+            return super().take(req_id)  # not where the last step had it
+        drafted, accepted = self.drafted[row], self.accepted[row]
+        self.drafted[row] = self.accepted[row] = 0
+        owners[row] = None
+        if self.spilled:
+            spilled = self.spilled.pop(req_id, None)
+            if spilled is not None:
+                drafted += spilled[0]
+                accepted += spilled[1]
+        return drafted, accepted
 
     def clear(self) -> None:
         self.owners = []
@@ -234,7 +242,7 @@ class ColumnTallies(_SpillingTallies):
         self.had_output = bytearray()
         self.prev_valid = False
         self.spilled.clear()
-        self._row_of = {}
+        self.row_of = {}
 
     def _row_counts(self, row: int) -> tuple[int, int]:
         return self.drafted[row], self.accepted[row]

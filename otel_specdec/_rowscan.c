@@ -106,37 +106,58 @@ append_index(PyObject *list, Py_ssize_t i)
     return rc;
 }
 
-static PyObject *
-counts_list(const long long *hist, Py_ssize_t top)
+/* hist_list[v] += counts[v] for v in 0..top (the list holds them all). */
+static int
+add_counts(PyObject *hist_list, const long long *counts, Py_ssize_t top)
 {
-    PyObject *out = PyList_New(top + 1);
-    if (out == NULL)
-        return NULL;
     for (Py_ssize_t v = 0; v <= top; v++) {
-        PyObject *count = PyLong_FromLongLong(hist[v]);
-        if (count == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, v, count);
+        if (!counts[v])
+            continue;
+        PyObject *sum = PyLong_FromLongLong(
+            PyLong_AsLongLong(PyList_GET_ITEM(hist_list, v)) + counts[v]);
+        if (sum == NULL)
+            return -1;
+        PyList_SetItem(hist_list, v, sum); /* steals sum, drops the old count */
     }
-    return out;
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* The row's previous owner leaves it: its tally, if any, goes to spills. */
+static int
+reassign(PyObject *owners, Py_ssize_t i, PyObject *req_id, long long *acc, long long *drf,
+         PyObject *spills)
+{
+    PyObject *old = PyList_GET_ITEM(owners, i);
+    if (old != Py_None && (acc[i] || drf[i])) {
+        PyObject *spill = Py_BuildValue("(OLL)", old, drf[i], acc[i]);
+        if (spill == NULL || PyList_Append(spills, spill) < 0) {
+            Py_XDECREF(spill);
+            return -1;
+        }
+        Py_DECREF(spill);
+    }
+    acc[i] = 0;
+    drf[i] = 0;
+    Py_INCREF(req_id);
+    PyList_SetItem(owners, i, req_id);
+    return 0;
 }
 
 static PyObject *
 scan(PyObject *module, PyObject *args)
 {
-    PyObject *rows, *sampled, *spec, *scheduled, *owners, *requests;
+    PyObject *rows, *sampled, *spec, *scheduled, *owners, *requests, *acc_list, *drf_list;
     Py_buffer acc_buf = {0}, drf_buf = {0}, out_buf = {0};
-    int prev_valid, track_padding;
-    PyObject *changed = NULL, *suspects = NULL, *overflow = NULL, *result = NULL;
+    int prev_valid, track_padding, check_stale;
+    PyObject *spills = NULL, *suspects = NULL, *overflow = NULL, *result = NULL;
     long long acc_hist[HIST_SIZE] = {0}, drf_hist[HIST_SIZE] = {0};
     Py_ssize_t acc_top = -1, drf_top = -1, padding = 0, empty = 0;
 
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!w*w*w*ppO", &PyList_Type, &rows, &PyList_Type,
-                          &sampled, &PyDict_Type, &spec, &PyDict_Type, &scheduled,
-                          &PyList_Type, &owners, &acc_buf, &drf_buf, &out_buf, &prev_valid,
-                          &track_padding, &requests))
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!w*w*w*pppO!O!O!", &PyList_Type, &rows,
+                          &PyList_Type, &sampled, &PyDict_Type, &spec, &PyDict_Type,
+                          &scheduled, &PyList_Type, &owners, &acc_buf, &drf_buf, &out_buf,
+                          &prev_valid, &track_padding, &check_stale, &PyDict_Type, &requests,
+                          &PyList_Type, &acc_list, &PyList_Type, &drf_list))
         return NULL;
 
     Py_ssize_t n = PyList_GET_SIZE(rows);
@@ -146,11 +167,7 @@ scan(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "scan: buffers smaller than the batch");
         goto done;
     }
-    if (requests != Py_None) {
-        if (!PyDict_Check(requests)) {
-            PyErr_SetString(PyExc_TypeError, "scan: requests must be a dict or None");
-            goto done;
-        }
+    if (check_stale) {
         int stale = any_stale(rows, spec, requests);
         if (stale < 0)
             goto done;
@@ -160,11 +177,17 @@ scan(PyObject *module, PyObject *args)
             goto done;
         }
     }
-    changed = PyList_New(0);
+    spills = PyList_New(0);
     suspects = PyList_New(0);
     overflow = PyList_New(0);
-    if (changed == NULL || suspects == NULL || overflow == NULL)
+    if (spills == NULL || suspects == NULL || overflow == NULL)
         goto done;
+    /* Values the totals' lists hold (and the local arrays). */
+    Py_ssize_t acc_cap = PyList_GET_SIZE(acc_list), drf_cap = PyList_GET_SIZE(drf_list);
+    if (acc_cap > HIST_SIZE)
+        acc_cap = HIST_SIZE;
+    if (drf_cap > HIST_SIZE)
+        drf_cap = HIST_SIZE;
 
     long long *acc = (long long *)acc_buf.buf;
     long long *drf = (long long *)drf_buf.buf;
@@ -185,11 +208,19 @@ scan(PyObject *module, PyObject *args)
             goto done;
         }
         int same = same_owner(PyList_GET_ITEM(owners, i), req_id);
-        if (same < 0 || (!same && append_index(changed, i) < 0))
+        if (same < 0 || (!same && reassign(owners, i, req_id, acc, drf, spills) < 0))
             goto done;
+        /* vLLM skips output of a request no longer in the scheduler (freed
+         * while its step was in flight). */
+        if (PyDict_GetItemWithError(requests, req_id) == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            had_output[i] = 0;
+            continue;
+        }
         if (d > 0 && s > 0) { /* a verified draft */
             Py_ssize_t a = s - 1;
-            if (a < HIST_SIZE && d < HIST_SIZE) {
+            if (a < acc_cap && d < drf_cap) {
                 acc_hist[a]++;
                 drf_hist[d]++;
                 if (a > acc_top)
@@ -204,10 +235,8 @@ scan(PyObject *module, PyObject *args)
                 }
                 Py_DECREF(pair);
             }
-            if (same) {
-                acc[i] += a;
-                drf[i] += d;
-            }
+            acc[i] += a;
+            drf[i] += d;
             if (track_padding) {
                 Py_ssize_t pad = padding_in(drafts, d);
                 if (pad < 0)
@@ -232,17 +261,12 @@ scan(PyObject *module, PyObject *args)
         had_output[i] = s > 0;
     }
 
-    PyObject *acc_counts = counts_list(acc_hist, acc_top);
-    PyObject *drf_counts = acc_counts ? counts_list(drf_hist, drf_top) : NULL;
-    if (drf_counts == NULL) {
-        Py_XDECREF(acc_counts);
+    if (add_counts(acc_list, acc_hist, acc_top) < 0 || add_counts(drf_list, drf_hist, drf_top) < 0)
         goto done;
-    }
-    result = Py_BuildValue("(NNnnOOO)", acc_counts, drf_counts, padding, empty, changed,
-                           suspects, overflow);
+    result = Py_BuildValue("(nnOOO)", padding, empty, spills, suspects, overflow);
 
 done:
-    Py_XDECREF(changed);
+    Py_XDECREF(spills);
     Py_XDECREF(suspects);
     Py_XDECREF(overflow);
     if (acc_buf.obj)
@@ -254,10 +278,147 @@ done:
     return result;
 }
 
+/* First index whose bound is >= rate (Python's bisect_left). */
+static Py_ssize_t
+bucket_of(const double *bounds, Py_ssize_t nb, double rate)
+{
+    Py_ssize_t lo = 0, hi = nb;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (bounds[mid] < rate)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+#define MAX_BOUNDS 64
+
+static PyObject *
+release(PyObject *module, PyObject *args)
+{
+    PyObject *ids, *row_of, *owners, *spilled, *bounds_seq, *buckets;
+    Py_buffer acc_buf = {0}, drf_buf = {0};
+    PyObject *iter = NULL, *req_id = NULL, *result = NULL;
+    double bounds[MAX_BOUNDS], rate_sum = 0.0, lo = 0.0, hi = 0.0;
+    Py_ssize_t count = 0;
+
+    if (!PyArg_ParseTuple(args, "OO!O!w*w*O!OO!", &ids, &PyDict_Type, &row_of, &PyList_Type,
+                          &owners, &acc_buf, &drf_buf, &PyDict_Type, &spilled, &bounds_seq,
+                          &PyList_Type, &buckets))
+        return NULL;
+    Py_ssize_t nb = PySequence_Size(bounds_seq);
+    if (nb < 0)
+        goto done;
+    if (nb > MAX_BOUNDS || PyList_GET_SIZE(buckets) != nb + 1) {
+        PyErr_SetString(PyExc_ValueError, "release: bounds and buckets do not match");
+        goto done;
+    }
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        PyObject *bound = PySequence_GetItem(bounds_seq, b);
+        if (bound == NULL)
+            goto done;
+        bounds[b] = PyFloat_AsDouble(bound);
+        Py_DECREF(bound);
+        if (bounds[b] == -1.0 && PyErr_Occurred())
+            goto done;
+    }
+    long long *acc = (long long *)acc_buf.buf;
+    long long *drf = (long long *)drf_buf.buf;
+    Py_ssize_t rows = acc_buf.len / (Py_ssize_t)sizeof(long long);
+    if (drf_buf.len / (Py_ssize_t)sizeof(long long) < rows)
+        rows = drf_buf.len / (Py_ssize_t)sizeof(long long);
+    if (PyList_GET_SIZE(owners) < rows)
+        rows = PyList_GET_SIZE(owners);
+
+    iter = PyObject_GetIter(ids);
+    if (iter == NULL)
+        goto done;
+    while ((req_id = PyIter_Next(iter)) != NULL) {
+        long long drafted = 0, accepted = 0;
+        Py_ssize_t row = -1;
+        PyObject *row_obj = PyDict_GetItemWithError(row_of, req_id);
+        if (row_obj != NULL) {
+            Py_ssize_t i = PyLong_AsSsize_t(row_obj);
+            if (i == -1 && PyErr_Occurred())
+                goto done;
+            if (i >= 0 && i < rows) {
+                int same = same_owner(PyList_GET_ITEM(owners, i), req_id);
+                if (same < 0)
+                    goto done;
+                if (same)
+                    row = i;
+            }
+        } else if (PyErr_Occurred()) {
+            goto done;
+        }
+        /* Not where the index says (an index changed since): search the rows. */
+        for (Py_ssize_t i = 0; row < 0 && i < rows; i++) {
+            int same = same_owner(PyList_GET_ITEM(owners, i), req_id);
+            if (same < 0)
+                goto done;
+            if (same)
+                row = i;
+        }
+        if (row >= 0) {
+            drafted += drf[row];
+            accepted += acc[row];
+            drf[row] = 0;
+            acc[row] = 0;
+            Py_INCREF(Py_None);
+            PyList_SetItem(owners, row, Py_None);
+        }
+        if (PyDict_GET_SIZE(spilled)) {
+            PyObject *tally = PyDict_GetItemWithError(spilled, req_id);
+            if (tally != NULL) {
+                long long d, a;
+                if (!PyArg_ParseTuple(tally, "LL", &d, &a))
+                    goto done;
+                drafted += d;
+                accepted += a;
+                if (PyDict_DelItem(spilled, req_id) < 0)
+                    goto done;
+            } else if (PyErr_Occurred()) {
+                goto done;
+            }
+        }
+        Py_CLEAR(req_id);
+        if (drafted <= 0)
+            continue;
+        double rate = (double)accepted / (double)drafted;
+        Py_ssize_t b = bucket_of(bounds, nb, rate);
+        PyObject *bumped = PyLong_FromLongLong(PyLong_AsLongLong(PyList_GET_ITEM(buckets, b)) + 1);
+        if (bumped == NULL)
+            goto done;
+        PyList_SetItem(buckets, b, bumped);
+        if (count == 0 || rate < lo)
+            lo = rate;
+        if (count == 0 || rate > hi)
+            hi = rate;
+        rate_sum += rate;
+        count++;
+    }
+    if (PyErr_Occurred())
+        goto done;
+    result = Py_BuildValue("(nddd)", count, rate_sum, lo, hi);
+
+done:
+    Py_XDECREF(req_id);
+    Py_XDECREF(iter);
+    PyBuffer_Release(&acc_buf);
+    PyBuffer_Release(&drf_buf);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"release", release, METH_VARARGS,
+     "release(ids, row_of, owners, accepted, drafted, spilled, bounds, buckets)"
+     " -> (count, rate_sum, min, max): finished requests' tallies become rates"},
     {"scan", scan, METH_VARARGS,
      "scan(rows, sampled, spec_tokens, num_scheduled, owners, accepted, drafted, had_output,"
-     " prev_valid, track_padding, requests_or_None) -> tuple or None"},
+     " prev_valid, track_padding, check_stale, requests, accepted_hist, drafted_hist)"
+     " -> (padding, empty, spills, suspects, overflow) or None"},
     {NULL, NULL, 0, NULL},
 };
 

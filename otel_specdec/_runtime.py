@@ -136,12 +136,14 @@ _lock = threading.Lock()
 _runtime: Runtime | None = None
 _disabled_reason: str | None = None
 _configured_provider: MeterProvider | None = None
-_generation = 0
+# Changes whenever the runtime is discarded, invalidating accountants (read
+# directly by the step wrapper, which runs every step).
+generation_now = 0
 
 
 def generation() -> int:
-    """Changes whenever the runtime is discarded, invalidating accountants."""
-    return _generation
+    """``generation_now``."""
+    return generation_now
 
 
 def configure(meter_provider: Any | None) -> None:
@@ -215,30 +217,30 @@ def _register_exit_hook() -> None:
 
 def _discard(runtime: Runtime) -> None:
     """Close ``runtime`` and forget it, if it is still the current one."""
-    global _runtime, _generation
+    global _runtime, generation_now
     with _lock:
         if _runtime is runtime:
             _runtime = None
-            _generation += 1
+            generation_now += 1
     runtime.close()
 
 
 def shutdown() -> None:
     """Close the runtime (uninstrument, exit); a later engine builds a new one."""
-    global _runtime, _disabled_reason, _generation
+    global _runtime, _disabled_reason, generation_now
     with _lock:
         runtime, _runtime, _disabled_reason = _runtime, None, None
-        _generation += 1
+        generation_now += 1
     if runtime is not None:
         runtime.close()
 
 
 def _reset_after_fork() -> None:
-    global _runtime, _disabled_reason, _lock, _generation
+    global _runtime, _disabled_reason, _lock, generation_now
     _lock = threading.Lock()
     _runtime = None
     _disabled_reason = None
-    _generation += 1
+    generation_now += 1
 
 
 if hasattr(os, "register_at_fork"):

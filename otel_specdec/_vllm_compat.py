@@ -43,7 +43,7 @@ SCHEDULER_CLASS = "Scheduler"
 
 # Methods wrapped on the scheduler class; the first two are required.
 REQUIRED_METHODS = ("__init__", "update_from_output")
-OPTIONAL_METHODS = ("_free_request", "shutdown")
+OPTIONAL_METHODS = ("finish_requests", "shutdown")
 
 _SCHEDULER_OUTPUT_FIELDS = ("scheduled_spec_decode_tokens", "num_scheduled_tokens")
 _MODEL_RUNNER_OUTPUT_FIELDS = ("sampled_token_ids", "req_id_to_index")
@@ -206,18 +206,36 @@ def failed_kv_load_ids(model_runner_output: Any) -> set[str] | None:
 
 def step_inputs(
     scheduler_output: Any, model_runner_output: Any
-) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
-    """The arguments of ``StepAccountant.observe_step`` for one call."""
+) -> tuple[Any, Any, Any, Any, Any, Any, Any, Any]:
+    """The arguments of ``StepAccountant.observe_step`` for one call.
+
+    Runs every step: the helpers above are inlined (each call costs about a
+    microsecond inside the engine's step).
+    """
+    kv_output = getattr(model_runner_output, "kv_connector_output", None)
+    failed = getattr(kv_output, "failed_recving", None) if kv_output else None
     return (
         scheduler_output.scheduled_spec_decode_tokens,
         scheduler_output.num_scheduled_tokens,
         model_runner_output.sampled_token_ids,
         model_runner_output.req_id_to_index,
-        invalid_spec_tokens(scheduler_output),
-        failed_kv_load_ids(model_runner_output),
+        getattr(scheduler_output, "num_invalid_spec_tokens", None),
+        set(failed) if failed else None,
         # Without the row order the exact path is used.
         getattr(model_runner_output, "req_ids", None),
+        getattr(scheduler_output, FINISHED_IDS_ATTR, None),
     )
+
+
+# vLLM's set of requests freed since the last schedule: on the scheduler it
+# fills as requests are freed; ``schedule()`` hands it to the step's
+# ``SchedulerOutput`` (same attribute name) and starts a new one.
+FINISHED_IDS_ATTR = "finished_req_ids"
+
+
+def finished_request_ids(obj: Any) -> Any:
+    """``obj.finished_req_ids`` (a scheduler or a scheduler output), or None."""
+    return getattr(obj, FINISHED_IDS_ATTR, None)
 
 
 # The front end's manager of engine-core processes (API server, LLM): it

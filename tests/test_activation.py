@@ -21,7 +21,7 @@ def test_uninstrument_restores_the_original_methods(reader):
     scheduler_cls = _scheduler_cls()
     assert isinstance(scheduler_cls.__dict__["update_from_output"], wrapt.FunctionWrapper)
     SpecDecodeInstrumentor().uninstrument()
-    for method in ("__init__", "update_from_output", "_free_request", "shutdown"):
+    for method in ("__init__", "update_from_output", "finish_requests", "shutdown"):
         assert not isinstance(scheduler_cls.__dict__[method], wrapt.ObjectProxy), method
     SpecDecodeInstrumentor().instrument()  # the fixture uninstruments at teardown
 
