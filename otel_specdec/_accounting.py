@@ -40,12 +40,12 @@ from typing import Any, NamedTuple, Protocol
 
 from otel_specdec._instruments import REQUEST_RATE_BOUNDS
 from otel_specdec._request_details import RequestDetails, tail_sums
-from otel_specdec._row_tallies import ColumnTallies, RowTallies
+from otel_specdec._row_tallies import RowTallies
 
 try:
-    from otel_specdec import _rowscan as NATIVE_KERNEL
+    from otel_specdec._rowscan import Scanner as NATIVE_SCANNER
 except ImportError:  # built without a C compiler: the pure-Python paths serve
-    NATIVE_KERNEL = None
+    NATIVE_SCANNER = None
 
 __all__ = ["SpecDecodeTotals", "StepAccountant", "TotalsSnapshot"]
 
@@ -57,7 +57,6 @@ _SWEEP_EVERY_STEPS = 4096
 # Released request ids are kept a few steps (see release); pruned this often.
 _PRUNE_FREED_EVERY_STEPS = 8
 
-_NO_INDEX: Mapping[str, int] = {}
 _LAST = itemgetter(-1)
 _IS_ONE = (1).__eq__
 _STALE_TOKENS = attrgetter("num_stale_output_tokens")
@@ -195,7 +194,7 @@ class StepAccountant:
         "vectorise_from",
         "_requests",
         "_tallies",
-        "_kernel",
+        "_scanner",
         "_num_sampled",
         "_track_padding",
         "_stale_possible",
@@ -225,13 +224,15 @@ class StepAccountant:
         # path's fixed cost per step outweighs the loop there).
         self.vectorise_from = VECTORISE_FROM_BATCH
         self._requests = requests
-        # The C pass (one pass per step) when it was built; otherwise the
-        # vectorised path's builtin passes.
-        self._kernel = NATIVE_KERNEL
-        self._tallies: ColumnTallies | RowTallies = (
-            ColumnTallies() if NATIVE_KERNEL is not None
-            else RowTallies(totals.num_speculative_tokens)
-        )
+        # The C pass (one pass per step, tallies by row) where it was built;
+        # otherwise the vectorised path's builtin passes over RowTallies.
+        self._scanner: Any = None
+        self._tallies: Any = RowTallies(totals.num_speculative_tokens)
+        if NATIVE_SCANNER is not None and type(requests) is dict:
+            self._scanner = self._tallies = NATIVE_SCANNER(
+                requests, totals.accepted_hist, totals.drafted_hist, REQUEST_RATE_BOUNDS,
+                totals.rate_buckets, track_padding, False,
+            )
         self._num_sampled = num_sampled_per_step
         # Under async scheduling every scheduled draft is a -1 placeholder,
         # so padding cannot be told apart there.
@@ -275,32 +276,42 @@ class StepAccountant:
         ``finished_req_ids``), released here if no hook released them.
         """
         self._step += 1
-        if released_ids and not all(map(self._freed.__contains__, released_ids)):
-            self.release(released_ids)
+        scanner = self._scanner
         if self._check_stale is None and self._requests:
             self._check_stale = hasattr(
                 next(iter(self._requests.values())), "num_stale_output_tokens"
             )
+            if scanner is not None:
+                scanner.check_stale = self._stale_possible and self._check_stale
         skip = set(skip_ids) if skip_ids else None
         empty = None
-        if (
+        vectorise = (
             req_ids is not None
             and len(req_ids) >= self.vectorise_from
             and not invalid_spec_tokens
             and self._num_sampled == 1
             and sampled_token_ids
-        ):
-            observe = (
-                self._observe_vectorised if self._kernel is None else self._observe_native
-            )
-            empty = observe(
+        )
+        if scanner is None:
+            if released_ids:
+                self.release(released_ids)
+            if vectorise:
+                empty = self._observe_vectorised(
+                    spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index,
+                    req_ids, skip,
+                )
+        elif vectorise:
+            # Releases released_ids too when it takes the step.
+            empty = self._observe_native(
                 spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index,
-                req_ids, skip,
+                req_ids, skip, released_ids,
             )
         if empty is None:
             self._prev_sampled = None
-            if self._kernel is not None:
-                self._tallies.prev_valid = False  # type: ignore[union-attr]
+            if scanner is not None:
+                scanner.invalidate()
+                if released_ids:
+                    self.release(released_ids)
             if spec_tokens:
                 self._observe_exact(
                     spec_tokens, sampled_token_ids, req_id_to_index, invalid_spec_tokens, skip
@@ -389,93 +400,92 @@ class StepAccountant:
         row_of: Mapping[str, int],
         rows: Sequence[str],
         skip: set[str] | None,
+        released_ids: Collection[str] | None,
     ) -> int | None:
-        """The common step in one C pass (``_rowscan``), in row space.
+        """The common step in one C pass (``_rowscan.Scanner``), in row space.
 
         Returns the step's empty proposals, or None when it declined the step
-        and counted nothing (then the exact path runs). Python work is spent
-        only on rows that changed owner, rows vLLM skips, and one-token rows
-        the C pass could not tell were decoding.
+        and changed nothing (then the exact path runs). Python work is spent
+        only on rare rows: those vLLM skips, drafts too long for the C pass's
+        counts, and one-token rows it could not tell were decoding.
         """
         n = len(rows)
-        requests = self._requests
         if (
             type(rows) is not list
             or type(sampled_token_ids) is not list
             or type(spec_tokens) is not dict
             or type(num_scheduled_tokens) is not dict
+            or type(row_of) is not dict
             or len(sampled_token_ids) != n
             or row_of.get(rows[0]) != 0
             or row_of.get(rows[-1]) != n - 1
-            or type(requests) is not dict
         ):
             return None  # not a layout the C pass knows
-        columns: ColumnTallies = self._tallies  # type: ignore[assignment]
-        columns.row_of = row_of
-        if n != len(columns.owners):
-            columns.fit(n)
-        totals = self.totals
-        result = self._kernel.scan(  # type: ignore[union-attr]
-            rows, sampled_token_ids, spec_tokens, num_scheduled_tokens, columns.owners,
-            columns.accepted, columns.drafted, columns.had_output, columns.prev_valid,
-            self._track_padding, bool(self._stale_possible and self._check_stale), requests,
-            totals.accepted_hist, totals.drafted_hist,
+        result = self._scanner.scan(
+            rows, sampled_token_ids, spec_tokens, num_scheduled_tokens, row_of, released_ids
         )
         if result is None:
             return None  # a preempted request's in-flight output: rare, exact path
-        padding, empty, spills, suspects, overflow = result
-        # Tallies of requests that left a row whose new owner the C pass set.
-        for req_id, drafted, accepted in spills:
-            columns.add_spilled(req_id, drafted, accepted)
-        # (accepted, drafted, +1 or -1) per draft not in the totals' histograms.
-        extra = [(a, d, 1) for a, d in overflow] if overflow else []
-        if skip:
-            padding, empty = self._unskip(
-                skip, rows, row_of, sampled_token_ids, spec_tokens, num_scheduled_tokens,
-                set(suspects), extra, padding, empty,
+        padding, empty, suspects, overflow, rates = result
+        totals = self.totals
+        if rates is not None:
+            totals.add_rates(*rates)
+        if released_ids and self._details is not None:
+            self._submit_spans(released_ids)
+        if skip or suspects or overflow:
+            padding, empty = self._native_corrections(
+                rows, row_of, sampled_token_ids, spec_tokens, num_scheduled_tokens, skip,
+                suspects or [], overflow or [], padding, empty,
             )
-        for row in suspects:
-            req_id = rows[row]
-            if (skip is None or req_id not in skip) and _is_decoding(requests.get(req_id)):
-                empty += 1
-        for accepted, drafted, sign in extra:
-            _add_counts(totals, totals.accepted_hist, ((accepted, sign),))
-            _add_counts(totals, totals.drafted_hist, ((drafted, sign),))
         if padding:
             totals.padding_tokens += padding
-        columns.prev_valid = True
         return empty
 
-    def _unskip(
+    def _native_corrections(
         self,
-        skip: set[str],
         rows: Sequence[str],
         row_of: Mapping[str, int],
         sampled_token_ids: Sequence[Sequence[int]],
         spec_tokens: Mapping[str, Sequence[int]],
         num_scheduled_tokens: Mapping[str, int],
-        suspects: set[int],
-        extra: list[tuple[int, int, int]],
+        skip: set[str] | None,
+        suspects: list[int],
+        overflow: list[tuple[int, int]],
         padding: int,
         empty: int,
     ) -> tuple[int, int]:
-        """Take back what the C pass counted for rows vLLM skips (freed, failed)."""
-        columns: ColumnTallies = self._tallies  # type: ignore[assignment]
-        for req_id in skip:
+        """What the C pass left to Python: returns (padding, empty) corrected.
+
+        Rows vLLM skips (a failed KV load) are taken back; drafts too long
+        for the C pass's counts are added; one-token rows without a draft
+        whose request may not be decoding yet are looked up.
+        """
+        totals = self.totals
+        requests = self._requests
+        # (accepted, drafted, +1 or -1) per draft not in the totals' histograms.
+        changes = [(a, d, 1) for a, d in overflow]
+        for req_id in skip or ():
             row = row_of.get(req_id)
             if row is None or row >= len(rows) or rows[row] != req_id:
                 continue
             sampled = len(sampled_token_ids[row])
             drafts = spec_tokens.get(req_id) or ()
-            if not sampled:
-                continue
+            if not sampled or req_id not in requests:
+                continue  # the C pass did not count it
             if drafts:
-                extra.append((sampled - 1, len(drafts), -1))
-                columns.add(row, -len(drafts), 1 - sampled)
+                changes.append((sampled - 1, len(drafts), -1))
+                self._scanner.add(row, -len(drafts), 1 - sampled)
                 if self._track_padding and drafts[-1] < 0:
                     padding -= list(drafts).count(-1)
             elif num_scheduled_tokens.get(req_id) == 1 and row not in suspects:
                 empty -= 1
+        for row in suspects:
+            req_id = rows[row]
+            if (skip is None or req_id not in skip) and _is_decoding(requests.get(req_id)):
+                empty += 1
+        for accepted, drafted, sign in changes:
+            _add_counts(totals, totals.accepted_hist, ((accepted, sign),))
+            _add_counts(totals, totals.drafted_hist, ((drafted, sign),))
         return padding, empty
 
     def _observe_vectorised(
@@ -679,50 +689,38 @@ class StepAccountant:
         """Finished (or aborted) requests: each tally becomes one acceptance rate.
 
         ``request_ids`` is one of vLLM's sets of requests freed since a
-        schedule; the same id arrives in more than one (see ``_patch``), and
-        is counted once: released ids are kept a few steps. They also tell
-        the pure-Python vectorised path which requests of a step in flight
-        vLLM skips.
+        schedule; the same id arrives in more than one (see ``_patch``) and
+        is counted once: a released request has no tally left.
 
         ``end_of_step``: after the host's update. Then the step's batch index
         is let go: the host frees it with the step's output, and the last
-        reference should not be the plugin's (freeing it costs microseconds);
-        releases between steps find rows by searching them.
+        reference should not be the plugin's (freeing it costs microseconds).
         """
-        tallies = self._tallies
-        row_of = tallies.row_of
-        if end_of_step:
-            tallies.row_of = _NO_INDEX
-        if not request_ids:
-            return
+        scanner = self._scanner
+        if scanner is not None:
+            rates = scanner.release(request_ids, end_of_step)
+            if rates is not None:
+                self.totals.add_rates(*rates)
+        elif request_ids:
+            self._release_rows(request_ids)
+        if request_ids and self._details is not None:
+            self._submit_spans(request_ids)
+
+    def _release_rows(self, request_ids: Collection[str]) -> None:
+        """``release`` over ``RowTallies``.
+
+        Released ids are kept a few steps: a request in more than one of
+        vLLM's sets is counted once, and the vectorised path skips those
+        still in a step that was in flight, as vLLM does.
+        """
         freed = self._freed
-        new = (
-            request_ids.difference(freed) if isinstance(request_ids, set)
-            else set(request_ids).difference(freed)
-        )
-        if not new:
-            return
+        new = set(request_ids).difference(freed)
         freed.update(dict.fromkeys(new, self._step))
         totals = self.totals
-        if self._details is not None:
-            self._submit_spans(new)
-        if self._kernel is not None and type(row_of) is dict:
-            count, rate_sum, low, high = self._kernel.release(
-                new, row_of, tallies.owners, tallies.accepted,  # type: ignore[union-attr]
-                tallies.drafted, tallies.spilled, REQUEST_RATE_BOUNDS, totals.rate_buckets,
-            )
-            if count:
-                totals.add_rates(rate_sum, low, high)
-            return
-        tallies.row_of = row_of
-        try:
-            for request_id in new:
-                drafted, accepted = tallies.take(request_id)
-                if drafted > 0:
-                    totals.observe_request(drafted, accepted)
-        finally:
-            if end_of_step:
-                tallies.row_of = _NO_INDEX
+        for request_id in new:
+            drafted, accepted = self._tallies.take(request_id)
+            if drafted > 0:
+                totals.observe_request(drafted, accepted)
 
     def _submit_spans(self, request_ids: Iterable[str]) -> None:
         """Hand finished requests' detail to the span sink (request spans on)."""

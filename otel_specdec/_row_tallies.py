@@ -27,84 +27,21 @@ call was measured at 5 to 30 µs, more than the whole budget.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Mapping
 from itertools import compress, repeat
 from operator import add, ne
 
-__all__ = ["ColumnTallies", "RowTallies"]
+__all__ = ["RowTallies"]
 
 
-class _SpillingTallies:
-    """Row tallies plus those of requests that left their row (spilled)."""
-
-    __slots__ = ("owners", "spilled", "row_of")
-
-    def __init__(self) -> None:
-        self.owners: list[str | None] = []
-        # req_id -> (drafted, accepted) of requests no longer in their row.
-        self.spilled: dict[str, tuple[int, int]] = {}
-        # The batch index (req_id -> row) of the last step aligned.
-        self.row_of: Mapping[str, int] = {}
-
-    def _row_counts(self, row: int) -> tuple[int, int]:
-        """(drafted, accepted) of the row's owner since it arrived."""
-        raise NotImplementedError
-
-    def _reset_row(self, row: int) -> None:
-        raise NotImplementedError
-
-    def add_spilled(self, req_id: str, drafted: int, accepted: int) -> None:
-        previous = self.spilled.get(req_id)
-        if previous is not None:
-            drafted += previous[0]
-            accepted += previous[1]
-        self.spilled[req_id] = (drafted, accepted)
-
-    def take(self, req_id: str) -> tuple[int, int]:
-        """Remove and return a request's (drafted, accepted) over its life."""
-        drafted, accepted = self.spilled.pop(req_id, (0, 0))
-        row = self._find(req_id)
-        if row is not None:
-            row_drafted, row_accepted = self._row_counts(row)
-            drafted += row_drafted
-            accepted += row_accepted
-            self._reset_row(row)
-            self.owners[row] = None
-        return drafted, accepted
-
-    def drop_missing(self, live: Mapping[str, object]) -> None:
-        """Forget spilled tallies of requests not in ``live`` (never freed)."""
-        for req_id in [r for r in self.spilled if r not in live]:
-            del self.spilled[req_id]
-
-    def _find(self, req_id: str) -> int | None:
-        owners = self.owners
-        row = self.row_of.get(req_id)
-        if row is not None and row < len(owners) and owners[row] == req_id:
-            return row
-        # The index may be the model runner's live dict, since changed.
-        try:
-            return owners.index(req_id)
-        except ValueError:
-            return None
-
-    def _spill_row(self, row: int) -> None:
-        owner = self.owners[row]
-        if owner is not None:
-            drafted, accepted = self._row_counts(row)
-            if drafted or accepted:
-                self.add_spilled(owner, drafted, accepted)
-
-
-class RowTallies(_SpillingTallies):
+class RowTallies:
     """Tallies of the requests in the batch's rows, plus those that left them."""
 
-    __slots__ = ("k", "sampled", "drafted", "steps", "full_steps")
+    __slots__ = ("k", "owners", "sampled", "drafted", "steps", "full_steps", "spilled", "_row_of")
 
     def __init__(self, k: int) -> None:
-        super().__init__()
         self.k = k
+        self.owners: list[str | None] = []
         # Per row: steps-at-arrival + sampled tokens (corrected where the
         # row's step was not a verified draft); -k * full-steps-at-arrival +
         # drafted tokens of the steps that were not full.
@@ -112,6 +49,9 @@ class RowTallies(_SpillingTallies):
         self.drafted: list[int] = []
         self.steps = 0
         self.full_steps = 0
+        # req_id -> (drafted, accepted) of requests no longer in their row.
+        self.spilled: dict[str, tuple[int, int]] = {}
+        self._row_of: Mapping[str, int] = {}
 
     def align(self, rows: list[str], row_of: Mapping[str, int]) -> list[int] | None:
         """Make this step's batch order, ``rows``, the rows' owners.
@@ -119,7 +59,7 @@ class RowTallies(_SpillingTallies):
         Returns the rows whose owner changed (new rows included), or None when
         most did and the columns were re-keyed instead.
         """
-        self.row_of = row_of
+        self._row_of = row_of
         owners = self.owners
         if rows == owners:
             return []
@@ -166,87 +106,59 @@ class RowTallies(_SpillingTallies):
         self.sampled[row] += sampled
         self.drafted[row] += drafted
 
+    def add_spilled(self, req_id: str, drafted: int, accepted: int) -> None:
+        previous = self.spilled.get(req_id)
+        if previous is not None:
+            drafted += previous[0]
+            accepted += previous[1]
+        self.spilled[req_id] = (drafted, accepted)
+
+    def take(self, req_id: str) -> tuple[int, int]:
+        """Remove and return a request's (drafted, accepted) over its life."""
+        drafted, accepted = self.spilled.pop(req_id, (0, 0))
+        row = self._find(req_id)
+        if row is not None:
+            row_drafted, row_accepted = self._row_counts(row)
+            drafted += row_drafted
+            accepted += row_accepted
+            self._reset_row(row)
+            self.owners[row] = None
+        return drafted, accepted
+
+    def drop_missing(self, live: Mapping[str, object]) -> None:
+        """Forget spilled tallies of requests not in ``live`` (never freed)."""
+        for req_id in [r for r in self.spilled if r not in live]:
+            del self.spilled[req_id]
+
     def clear(self) -> None:
         self.owners = []
         self.sampled = []
         self.drafted = []
         self.spilled.clear()
-        self.row_of = {}
+        self._row_of = {}
+
+    def _find(self, req_id: str) -> int | None:
+        owners = self.owners
+        row = self._row_of.get(req_id)
+        if row is not None and row < len(owners) and owners[row] == req_id:
+            return row
+        # The index may be the model runner's live dict, since changed.
+        try:
+            return owners.index(req_id)
+        except ValueError:
+            return None
 
     def _row_counts(self, row: int) -> tuple[int, int]:
         """(drafted, accepted) of the row's owner since it arrived."""
         return self.drafted[row] + self.k * self.full_steps, self.sampled[row] - self.steps
 
+    def _spill_row(self, row: int) -> None:
+        owner = self.owners[row]
+        if owner is not None:
+            drafted, accepted = self._row_counts(row)
+            if drafted or accepted:
+                self.add_spilled(owner, drafted, accepted)
+
     def _reset_row(self, row: int) -> None:
         self.sampled[row] = self.steps
         self.drafted[row] = -self.k * self.full_steps
-
-
-class ColumnTallies(_SpillingTallies):
-    """Row tallies as plain counts in C-writable buffers, for ``_rowscan``.
-
-    The C pass adds each verified draft to its row; a row whose owner
-    changed is given its new owner there, and the previous owner's tally is
-    handed back to be spilled. ``had_output`` is the C pass's memory of which
-    rows produced output in the previous step; ``prev_valid`` says whether
-    the previous step went through the C pass at all.
-    """
-
-    __slots__ = ("accepted", "drafted", "had_output", "prev_valid")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.accepted = array("q")
-        self.drafted = array("q")
-        self.had_output = bytearray()
-        self.prev_valid = False
-
-    def fit(self, n: int) -> None:
-        """Hold ``n`` rows; rows at and past ``n`` leave the batch (spilled)."""
-        m = len(self.owners)
-        if n == m:
-            return
-        if n > m:
-            self.owners.extend([None] * (n - m))
-            self.accepted.extend(repeat(0, n - m))
-            self.drafted.extend(repeat(0, n - m))
-            self.had_output.extend(bytes(n - m))
-            return
-        for row in range(n, m):
-            self._spill_row(row)
-        del self.owners[n:], self.accepted[n:], self.drafted[n:], self.had_output[n:]
-
-    def add(self, row: int, drafted: int, accepted: int) -> None:
-        self.accepted[row] += accepted
-        self.drafted[row] += drafted
-
-    def take(self, req_id: str) -> tuple[int, int]:
-        owners = self.owners
-        row = self.row_of.get(req_id)
-        if row is None or row >= len(owners) or owners[row] != req_id:
-            return super().take(req_id)  # not where the last step had it
-        drafted, accepted = self.drafted[row], self.accepted[row]
-        self.drafted[row] = self.accepted[row] = 0
-        owners[row] = None
-        if self.spilled:
-            spilled = self.spilled.pop(req_id, None)
-            if spilled is not None:
-                drafted += spilled[0]
-                accepted += spilled[1]
-        return drafted, accepted
-
-    def clear(self) -> None:
-        self.owners = []
-        self.accepted = array("q")
-        self.drafted = array("q")
-        self.had_output = bytearray()
-        self.prev_valid = False
-        self.spilled.clear()
-        self.row_of = {}
-
-    def _row_counts(self, row: int) -> tuple[int, int]:
-        return self.drafted[row], self.accepted[row]
-
-    def _reset_row(self, row: int) -> None:
-        self.accepted[row] = 0
-        self.drafted[row] = 0

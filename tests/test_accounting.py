@@ -62,9 +62,9 @@ def accounting_path(request, monkeypatch) -> str:
         _accounting, "VECTORISE_FROM_BATCH", 10**9 if request.param == "exact" else 1
     )
     if request.param == "native":
-        assert _accounting.NATIVE_KERNEL is not None, "the C accelerator was not built"
+        assert _accounting.NATIVE_SCANNER is not None, "the C accelerator was not built"
     else:
-        monkeypatch.setattr(_accounting, "NATIVE_KERNEL", None)
+        monkeypatch.setattr(_accounting, "NATIVE_SCANNER", None)
     return request.param
 
 

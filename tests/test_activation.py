@@ -19,9 +19,13 @@ def _scheduler_cls():
 
 def test_uninstrument_restores_the_original_methods(reader):
     scheduler_cls = _scheduler_cls()
-    assert isinstance(scheduler_cls.__dict__["update_from_output"], wrapt.FunctionWrapper)
+    original_update = scheduler_cls.__dict__["update_from_output"].__wrapped__
+    assert getattr(scheduler_cls.__dict__["update_from_output"], "_otel_specdec_hook", False)
+    for method in ("__init__", "finish_requests", "shutdown"):
+        assert isinstance(scheduler_cls.__dict__[method], wrapt.FunctionWrapper), method
     SpecDecodeInstrumentor().uninstrument()
-    for method in ("__init__", "update_from_output", "finish_requests", "shutdown"):
+    assert scheduler_cls.__dict__["update_from_output"] is original_update
+    for method in ("__init__", "finish_requests", "shutdown"):
         assert not isinstance(scheduler_cls.__dict__[method], wrapt.ObjectProxy), method
     SpecDecodeInstrumentor().instrument()  # the fixture uninstruments at teardown
 
@@ -55,7 +59,7 @@ def test_unsupported_vllm_logs_one_warning_and_patches_nothing(monkeypatch, read
     assert "scheduled_spec_decode_tokens" in warnings[0].getMessage()
     assert not _patch.is_installed()
     scheduler_cls = _scheduler_cls()
-    assert not isinstance(scheduler_cls.__dict__["update_from_output"], wrapt.ObjectProxy)
+    assert not hasattr(scheduler_cls.__dict__["update_from_output"], "_otel_specdec_hook")
 
 
 def test_plugin_can_be_switched_off(monkeypatch, reader):
