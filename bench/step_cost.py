@@ -15,10 +15,13 @@ timed too: vLLM's own speculative-decoding statistics path for that
 step's requests (``Scheduler.make_spec_decoding_stats`` per request, as its
 loop calls it when stats logging is on, plus ``SpecDecodingProm.observe``,
 its Prometheus side). Reported: medians per step; "added" is the median of
-the per-step differences (the same step of both streams).
+the per-step differences (the same step of both streams); each configuration
+runs ``--rounds`` times on fresh schedulers and the medians across rounds are
+printed, with each round's added %. ``--control`` runs both schedulers
+without the plugin: its "added" is the measurement's own noise floor.
 
     .venv/bin/python bench/step_cost.py [--batches 1,64,256,1024] [--ks 1,4,8] [--steps 200]
-                                        [--tracing]
+                                        [--rounds 3] [--tracing] [--control]
 
 ``--tracing`` turns request spans on (``OTEL_SPECDEC_TRACES=true``, spans
 built on the plugin's worker thread and handed to an exporter that drops
@@ -119,7 +122,8 @@ class _Stream:
         self.step_no += 1
 
 
-def measure(model_dir: str, batch: int, k: int, steps: int) -> dict[str, float]:
+def measure(model_dir: str, batch: int, k: int, steps: int,
+            control: bool = False) -> dict[str, float]:
     """Two schedulers fed identical streams: one with the plugin, one without.
 
     Each step both run the same step of their own stream; which one runs
@@ -137,9 +141,15 @@ def measure(model_dir: str, batch: int, k: int, steps: int) -> dict[str, float]:
     plain_t: list[float] = []
     anchor_t: list[float] = []
 
+    # control: both streams unwrapped, to show the measurement's noise floor.
+    update = (
+        functools.partial(original_update, with_plugin.scheduler) if control
+        else with_plugin.scheduler.update_from_output
+    )
+
     def run_with_plugin(so: Any, mro: Any) -> None:
         t0 = time.perf_counter()
-        with_plugin.scheduler.update_from_output(so, mro)
+        update(so, mro)
         wrapped_t.append(time.perf_counter() - t0)
 
     def run_plain(so: Any, mro: Any) -> None:
@@ -194,7 +204,11 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64,256,1024")
     parser.add_argument("--ks", default="1,4,8")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="fresh schedulers per configuration; medians across rounds")
     parser.add_argument("--tracing", action="store_true", help="request spans on")
+    parser.add_argument("--control", action="store_true",
+                        help="both schedulers without the plugin: the noise floor")
     args = parser.parse_args()
 
     import logging
@@ -210,16 +224,22 @@ def main() -> None:
     SpecDecodeInstrumentor().instrument(
         meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]),
         tracer_provider=_discarding_tracer_provider() if args.tracing else None)
-    print(f"request spans: {'on' if args.tracing else 'off'}")
+    print(f"request spans: {'on' if args.tracing else 'off'}"
+          f"{'; CONTROL: no plugin on either side' if args.control else ''}")
     print(f"{'batch':>6} {'k':>3} {'unwrapped µs':>13} {'with plugin µs':>15} "
-          f"{'added µs':>9} {'added %':>8} {'vLLM stats µs':>14} {'added/vLLM':>11}")
+          f"{'added µs':>9} {'added %':>8} {'vLLM stats µs':>14} {'added/vLLM':>11}  "
+          "added % per round")
     for batch in [int(b) for b in args.batches.split(",")]:
         for k in [int(x) for x in args.ks.split(",")]:
-            r = measure(model_dir, batch, k, args.steps)
+            rounds = [measure(model_dir, batch, k, args.steps, args.control)
+                      for _ in range(args.rounds)]
+            r = {key: statistics.median(x[key] for x in rounds) for key in rounds[0]}
             added = r["added"]
+            per_round = " ".join(f"{100 * x['added'] / x['plain']:.1f}" for x in rounds)
             print(f"{batch:>6} {k:>3} {r['plain'] * 1e6:>13.1f} {r['wrapped'] * 1e6:>15.1f} "
                   f"{added * 1e6:>9.1f} {100 * added / r['plain']:>7.1f}% "
-                  f"{r['anchor'] * 1e6:>14.1f} {added / r['anchor']:>11.2f}", flush=True)
+                  f"{r['anchor'] * 1e6:>14.1f} {added / r['anchor']:>11.2f}  {per_round}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -223,6 +223,10 @@ class StepAccountant:
         # Batches smaller than this take the exact path (the vectorised
         # path's fixed cost per step outweighs the loop there).
         self.vectorise_from = VECTORISE_FROM_BATCH
+        # A released request's id is remembered while steps scheduled before
+        # it was freed can still arrive, and while it can still be in one of
+        # vLLM's sets of freed requests (two schedules).
+        self._freed_keep_steps = steps_in_flight + 3
         self._requests = requests
         # The C pass (one pass per step, tallies by row) where it was built;
         # otherwise the vectorised path's builtin passes over RowTallies.
@@ -231,7 +235,8 @@ class StepAccountant:
         if NATIVE_SCANNER is not None and type(requests) is dict:
             self._scanner = self._tallies = NATIVE_SCANNER(
                 requests, totals.accepted_hist, totals.drafted_hist, REQUEST_RATE_BOUNDS,
-                totals.rate_buckets, track_padding, False,
+                totals.rate_buckets, track_padding, steps_in_flight > 0,
+                self._freed_keep_steps,
             )
         self._num_sampled = num_sampled_per_step
         # Under async scheduling every scheduled draft is a -1 placeholder,
@@ -240,10 +245,6 @@ class StepAccountant:
         # Stale output exists only where a step can be in flight when a
         # request is preempted (async scheduling, pipeline parallelism).
         self._stale_possible = steps_in_flight > 0
-        # A released request's id is remembered while steps scheduled before
-        # it was freed can still arrive, and while it can still be in one of
-        # vLLM's sets of freed requests (two schedules).
-        self._freed_keep_steps = steps_in_flight + 3
         self._check_stale: bool | None = None
         # Statuses above this are finished (see _vllm_compat); None: ask the request.
         self._finished_above = finished_above

@@ -150,6 +150,11 @@ def _update_hook(original: Callable[..., Any]) -> Callable[..., Any]:
                     scheduler_output, model_runner_output = args
                 else:
                     scheduler_output, model_runner_output = _split_update_args(args, kwargs)
+                # Requests freed since the last schedule (an abort while this
+                # step ran): released first, so the step skips them as vLLM does.
+                freed = getattr(self, _vllm_compat.FINISHED_IDS_ATTR, None)
+                if freed:
+                    accountant.release(freed)
                 accountant.observe_step(
                     *_vllm_compat.step_inputs(scheduler_output, model_runner_output)
                 )

@@ -34,9 +34,13 @@ typedef struct {
     Py_ssize_t cap;     /* rows allocated */
     int prev_valid;     /* the previous step went through scan() */
     int track_padding;
+    int in_flight;      /* steps can be in flight (async scheduling, pipelines) */
     int check_stale;
     PyObject *spilled;  /* dict: req_id -> (drafted, accepted) of rows left */
     PyObject *requests; /* the scheduler's request table (dict) */
+    PyObject *released; /* dict: req_id -> step it was released at (recent ones) */
+    long long step;     /* scan() calls so far */
+    long long keep_steps; /* steps a released id is remembered */
     PyObject *row_of;   /* the current step's batch index (dict), or NULL */
     PyObject *acc_hist; /* totals: drafts per accepted-prefix length (list) */
     PyObject *drf_hist; /* totals: drafts per drafted length (list) */
@@ -175,6 +179,29 @@ nomem:
     return -1;
 }
 
+/* Forget released ids older than keep_steps. */
+static int
+prune_released(Scanner *self)
+{
+    PyObject *expired = PyList_New(0), *key, *value;
+    Py_ssize_t pos = 0;
+    if (expired == NULL)
+        return -1;
+    while (PyDict_Next(self->released, &pos, &key, &value)) {
+        if (PyLong_AsLongLong(value) < self->step - self->keep_steps &&
+            PyList_Append(expired, key) < 0)
+            goto fail;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(expired); i++)
+        if (PyDict_DelItem(self->released, PyList_GET_ITEM(expired, i)) < 0)
+            goto fail;
+    Py_DECREF(expired);
+    return PyErr_Occurred() ? -1 : 0;
+fail:
+    Py_DECREF(expired);
+    return -1;
+}
+
 /* 1 if a live request of the step has stale output pending, 0 if none. */
 static int
 any_stale(Scanner *self, PyObject *rows, PyObject *spec)
@@ -296,6 +323,13 @@ release_ids(Scanner *self, PyObject *ids, Rates *rates)
         Py_ssize_t row;
         if (find_row(self, req_id, &row) < 0)
             goto fail;
+        PyObject *when = PyLong_FromLongLong(self->step);
+        if (when == NULL)
+            goto fail;
+        int rc = PyDict_SetItem(self->released, req_id, when);
+        Py_DECREF(when);
+        if (rc < 0)
+            goto fail;
         if (row >= 0) {
             drafted += self->drf[row];
             accepted += self->acc[row];
@@ -405,6 +439,10 @@ Scanner_scan(Scanner *self, PyObject *args)
     unsigned char *had_output = self->had_output;
     int prev_valid = self->prev_valid;
     self->prev_valid = 0; /* until this step is through */
+    self->step++;
+    if (self->step % 8 == 0 && prune_released(self) < 0)
+        return NULL;
+    int check_released = PyDict_GET_SIZE(self->released) > 0;
 
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *req_id = PyList_GET_ITEM(rows, i);
@@ -424,10 +462,22 @@ Scanner_scan(Scanner *self, PyObject *args)
         if (same < 0 || (!same && reassign(self, i, req_id) < 0))
             goto done;
         /* vLLM skips output of a request no longer in the scheduler (freed
-         * while its step was in flight). */
-        if (PyDict_GetItemWithError(self->requests, req_id) == NULL) {
-            if (PyErr_Occurred())
-                goto done;
+         * while its step was in flight). With one step at a time, such a
+         * request was freed since this step's schedule, and every request
+         * freed since the schedule is released before the step (_patch):
+         * the few recent ids tell, without a lookup in the scheduler's
+         * large, cold request table. With steps in flight, look it up. */
+        int gone = 0;
+        if (self->in_flight) {
+            if (PyDict_GetItemWithError(self->requests, req_id) == NULL) {
+                if (PyErr_Occurred())
+                    goto done;
+                gone = 1;
+            }
+        } else if (check_released && (gone = PyDict_Contains(self->released, req_id)) < 0) {
+            goto done;
+        }
+        if (gone) {
             had_output[i] = 0;
             continue;
         }
@@ -549,6 +599,7 @@ Scanner_clear(Scanner *self, PyObject *Py_UNUSED(ignored))
     if (PyList_SetSlice(self->owners, 0, PyList_GET_SIZE(self->owners), NULL) < 0)
         return NULL;
     PyDict_Clear(self->spilled);
+    PyDict_Clear(self->released);
     Py_CLEAR(self->row_of);
     self->prev_valid = 0;
     Py_RETURN_NONE;
@@ -565,13 +616,15 @@ static int
 Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"requests", "accepted_hist", "drafted_hist", "rate_bounds",
-                               "rate_buckets", "track_padding", "check_stale", NULL};
+                               "rate_buckets", "track_padding", "in_flight", "keep_steps",
+                               NULL};
     PyObject *requests, *acc_hist, *drf_hist, *bounds, *buckets;
-    int track_padding, check_stale;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!OO!pp", keywords, &PyDict_Type,
+    int track_padding, in_flight;
+    long long keep_steps;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!OO!ppL", keywords, &PyDict_Type,
                                      &requests, &PyList_Type, &acc_hist, &PyList_Type,
                                      &drf_hist, &bounds, &PyList_Type, &buckets,
-                                     &track_padding, &check_stale))
+                                     &track_padding, &in_flight, &keep_steps))
         return -1;
     Py_ssize_t nb = PySequence_Size(bounds);
     if (nb < 0)
@@ -590,14 +643,18 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
             return -1;
     }
     self->nb = nb;
-    PyObject *owners = PyList_New(0), *spilled = PyDict_New();
-    if (owners == NULL || spilled == NULL) {
+    PyObject *owners = PyList_New(0), *spilled = PyDict_New(), *released = PyDict_New();
+    if (owners == NULL || spilled == NULL || released == NULL) {
         Py_XDECREF(owners);
         Py_XDECREF(spilled);
+        Py_XDECREF(released);
         return -1;
     }
     Py_XSETREF(self->owners, owners);
     Py_XSETREF(self->spilled, spilled);
+    Py_XSETREF(self->released, released);
+    self->keep_steps = keep_steps;
+    self->step = 0;
     Py_INCREF(requests);
     Py_XSETREF(self->requests, requests);
     Py_INCREF(acc_hist);
@@ -608,7 +665,8 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
     Py_XSETREF(self->buckets, buckets);
     Py_CLEAR(self->row_of);
     self->track_padding = track_padding;
-    self->check_stale = check_stale;
+    self->in_flight = in_flight;
+    self->check_stale = 0;
     self->prev_valid = 0;
     return 0;
 }
@@ -618,6 +676,7 @@ Scanner_traverse(Scanner *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->owners);
     Py_VISIT(self->spilled);
+    Py_VISIT(self->released);
     Py_VISIT(self->requests);
     Py_VISIT(self->row_of);
     Py_VISIT(self->acc_hist);
@@ -631,6 +690,7 @@ Scanner_clear_refs(Scanner *self)
 {
     Py_CLEAR(self->owners);
     Py_CLEAR(self->spilled);
+    Py_CLEAR(self->released);
     Py_CLEAR(self->requests);
     Py_CLEAR(self->row_of);
     Py_CLEAR(self->acc_hist);

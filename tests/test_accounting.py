@@ -176,6 +176,27 @@ def test_finished_and_aborted_requests_in_the_step_are_skipped(harness, reader):
     assert_matches_vllm(harness, data)
 
 
+def test_request_freed_where_no_hook_sees_it_is_skipped_and_counted_once(harness, reader):
+    # Freed between schedule and update by a path the plugin does not hook
+    # (finish_requests unwrapped): vLLM skips its output; the plugin learns
+    # of it from vLLM's set of freed requests and must skip it too, and
+    # record its rate once.
+    from vllm.v1.request import RequestStatus
+
+    ids = harness.add_requests(6, max_tokens=30)
+    run(harness, 3, lambda r, d: 1)
+    so = harness.schedule()
+    unhooked_finish = type(harness.scheduler).finish_requests.__wrapped__
+    unhooked_finish(harness.scheduler, ids[2], RequestStatus.FINISHED_ABORTED)
+    harness.update(so, harness.model_output(so, lambda r, d: 2))
+    harness.propose(so, full_proposal)
+    run(harness, 20, lambda r, d: 2)
+    assert not harness.scheduler.requests
+    data = reader.get_metrics_data()
+    assert_matches_vllm(harness, data)
+    assert histogram(data, REQ_RATE).count == len(ids)
+
+
 def test_request_acceptance_rate_one_value_per_finished_request(harness, reader):
     ids = harness.add_requests(4, max_tokens=40)
     accepted = {r: i % (K + 1) for i, r in enumerate(ids)}  # 0, 1, 2, 3 of 3
