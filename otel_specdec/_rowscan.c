@@ -318,17 +318,17 @@ release_ids(Scanner *self, PyObject *ids, Rates *rates)
     PyObject *iter = PyObject_GetIter(ids), *req_id;
     if (iter == NULL)
         return -1;
+    PyObject *when = PyLong_FromLongLong(self->step);
+    if (when == NULL) {
+        Py_DECREF(iter);
+        return -1;
+    }
     while ((req_id = PyIter_Next(iter)) != NULL) {
         long long drafted = 0, accepted = 0;
         Py_ssize_t row;
         if (find_row(self, req_id, &row) < 0)
             goto fail;
-        PyObject *when = PyLong_FromLongLong(self->step);
-        if (when == NULL)
-            goto fail;
-        int rc = PyDict_SetItem(self->released, req_id, when);
-        Py_DECREF(when);
-        if (rc < 0)
+        if (PyDict_SetItem(self->released, req_id, when) < 0)
             goto fail;
         if (row >= 0) {
             drafted += self->drf[row];
@@ -367,11 +367,13 @@ release_ids(Scanner *self, PyObject *ids, Rates *rates)
         rates->sum += rate;
         rates->count++;
     }
+    Py_DECREF(when);
     Py_DECREF(iter);
     return PyErr_Occurred() ? -1 : 0;
 fail:
     Py_DECREF(req_id);
 fail_iter:
+    Py_DECREF(when);
     Py_DECREF(iter);
     return -1;
 }
