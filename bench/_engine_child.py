@@ -50,13 +50,8 @@ def _plugin_state(llm: Any) -> dict[str, int]:
     accountant = _patch._attached(scheduler)
     if accountant is None:
         return {"accountant": 0}
-    return {
-        "accountant": 1,
-        "live_requests": len(scheduler.requests),
-        "tallies_spilled": len(accountant._tallies.spilled),
-        "freed_ids": len(accountant._freed),
-        "rows": len(accountant._tallies.owners),
-    }
+    return {"accountant": 1, "live_requests": len(scheduler.requests),
+            **accountant.held_state()}
 
 
 def _timed_generate(llm: Any, prompts: list[str], params: Any) -> dict[str, float]:

@@ -22,6 +22,7 @@ without the plugin: its "added" is the measurement's own noise floor.
 
     .venv/bin/python bench/step_cost.py [--batches 1,64,256,1024] [--ks 1,4,8] [--steps 200]
                                         [--rounds 3] [--tracing] [--control]
+                                        [--pure-python]
 
 ``--tracing`` turns request spans on (``OTEL_SPECDEC_TRACES=true``, spans
 built on the plugin's worker thread and handed to an exporter that drops
@@ -209,6 +210,8 @@ def main() -> None:
     parser.add_argument("--tracing", action="store_true", help="request spans on")
     parser.add_argument("--control", action="store_true",
                         help="both schedulers without the plugin: the noise floor")
+    parser.add_argument("--pure-python", action="store_true",
+                        help="the plugin without its C accelerator (as where it was not built)")
     args = parser.parse_args()
 
     import logging
@@ -217,14 +220,18 @@ def main() -> None:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    from otel_specdec import SpecDecodeInstrumentor
+    from otel_specdec import SpecDecodeInstrumentor, _accounting
     from otel_specdec._tiny_model import build_tiny_model
+
+    if args.pure_python:
+        _accounting.NATIVE_SCANNER = None
 
     model_dir = str(build_tiny_model(Path(tempfile.mkdtemp()) / "target"))
     SpecDecodeInstrumentor().instrument(
         meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]),
         tracer_provider=_discarding_tracer_provider() if args.tracing else None)
-    print(f"request spans: {'on' if args.tracing else 'off'}"
+    accounting = "pure Python" if _accounting.NATIVE_SCANNER is None else "C accelerator"
+    print(f"request spans: {'on' if args.tracing else 'off'}; accounting: {accounting}"
           f"{'; CONTROL: no plugin on either side' if args.control else ''}")
     print(f"{'batch':>6} {'k':>3} {'unwrapped µs':>13} {'with plugin µs':>15} "
           f"{'added µs':>9} {'added %':>8} {'vLLM stats µs':>14} {'added/vLLM':>11}  "

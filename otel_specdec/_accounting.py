@@ -180,13 +180,18 @@ class SpecDecodeTotals:
 class StepAccountant:
     """Per-scheduler accounting: feeds one ``SpecDecodeTotals`` each step.
 
-    Two paths compute the same numbers. The exact path is a Python loop that
-    follows vLLM's own loop request by request; it serves small batches and
-    every unusual step (grammar-invalidated drafts, failed KV loads, stale
-    output after a preemption, several sampled tokens per step). The
-    vectorised path serves the common step of a large batch: it works on the
-    batch's rows with C-level builtins only (``map``, ``sum``, counting), so
-    its cost per request is a few tens of nanoseconds.
+    Three paths compute the same numbers. The exact path is a Python loop
+    that follows vLLM's own loop request by request; it serves small batches
+    and every unusual step (grammar-invalidated drafts, stale output after a
+    preemption, several sampled tokens per step, outputs not in row order),
+    and every step while request spans are on. The common step of a large
+    batch takes the C pass (``_rowscan.Scanner``: one pass over the rows,
+    tallies kept by row in C arrays) where the optional accelerator was
+    built, else the pure-Python vectorised path (builtin passes over
+    ``RowTallies``).
+
+    Finished requests are released in bulk (``release``) from vLLM's own
+    sets of freed requests: each tally becomes one per-request rate.
     """
 
     __slots__ = (
@@ -729,6 +734,17 @@ class StepAccountant:
             detail = self._details.take(request_id)  # type: ignore[union-attr]
             if detail is not None and detail.drafts > 0:
                 self._spans.submit(detail.request, detail, self.totals)  # type: ignore[union-attr]
+
+    def held_state(self) -> dict[str, int]:
+        """Sizes of what the accountant keeps between steps (for the memory benchmark)."""
+        tallies = self._tallies
+        released = tallies.released if self._scanner is not None else self._freed
+        return {
+            "rows": len(tallies.owners),
+            "tallies_spilled": len(tallies.spilled),
+            "released_ids": len(released),
+            "span_details": len(self._details) if self._details is not None else 0,
+        }
 
     def forget_requests(self) -> None:
         self._tallies.clear()

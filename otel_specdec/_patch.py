@@ -49,7 +49,7 @@ from typing import Any
 from wrapt import wrap_function_wrapper
 
 from otel_specdec import _runtime, _shutdown_grace, _vllm_compat
-from otel_specdec._accounting import StepAccountant
+from otel_specdec._accounting import NATIVE_SCANNER, StepAccountant
 
 __all__ = ["install", "uninstall", "is_installed"]
 
@@ -251,6 +251,9 @@ def install() -> bool:
             _wrapped_methods.append(method)
         if "shutdown" in _wrapped_methods:
             _shutdown_grace.install()
+        if NATIVE_SCANNER is None:
+            _logger.info("otel_specdec: the C accelerator (otel_specdec._rowscan) is not "
+                         "built; the pure-Python accounting serves (a higher cost per step)")
         _installed_on = scheduler_cls
         return True
 

@@ -1,4 +1,7 @@
-"""Per-request accepted/drafted tallies kept by batch row.
+"""Per-request accepted/drafted tallies kept by batch row (pure Python).
+
+The fallback for installs without the C accelerator (``_rowscan.Scanner``
+keeps the same tallies in C arrays and updates them in its one pass).
 
 A per-request dictionary update costs a dict read and write per request per
 step (about 90 ns here, most of the plugin's budget). vLLM's model runner

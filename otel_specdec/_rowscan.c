@@ -725,6 +725,12 @@ Scanner_get_spilled(Scanner *self, void *closure)
 }
 
 static PyObject *
+Scanner_get_released(Scanner *self, void *closure)
+{
+    return Py_NewRef(self->released);
+}
+
+static PyObject *
 Scanner_get_check_stale(Scanner *self, void *closure)
 {
     return PyBool_FromLong(self->check_stale);
@@ -773,6 +779,8 @@ static PyGetSetDef Scanner_getset[] = {
     {"owners", (getter)Scanner_get_owners, NULL, "row -> request id (or None)", NULL},
     {"spilled", (getter)Scanner_get_spilled, NULL,
      "request id -> (drafted, accepted) of requests not in a row", NULL},
+    {"released", (getter)Scanner_get_released, NULL,
+     "request id -> step, of the requests released in the last keep_steps steps", NULL},
     {"check_stale", (getter)Scanner_get_check_stale, (setter)Scanner_set_check_stale,
      "look for stale in-flight output before each step", NULL},
     {NULL, NULL, NULL, NULL, NULL},
