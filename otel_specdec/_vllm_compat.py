@@ -187,30 +187,18 @@ def finished_status_threshold() -> int | None:
     return None
 
 
-def invalid_spec_tokens(scheduler_output: Any) -> dict[str, int] | None:
-    """Grammar-invalidated draft counts per request (absent before ~0.9)."""
-    return getattr(scheduler_output, "num_invalid_spec_tokens", None)
-
-
-def failed_kv_load_ids(model_runner_output: Any) -> set[str] | None:
-    """Requests whose external KV load failed this step; vLLM skips them.
-
-    vLLM also skips requests hit by invalid KV blocks; telling which ones
-    needs the scheduler's block tables, so those rare steps may count
-    requests vLLM skipped (documented limitation).
-    """
-    kv_output = getattr(model_runner_output, "kv_connector_output", None)
-    failed = getattr(kv_output, "failed_recving", None) if kv_output else None
-    return set(failed) if failed else None
-
-
 def step_inputs(
     scheduler_output: Any, model_runner_output: Any
 ) -> tuple[Any, Any, Any, Any, Any, Any, Any, Any]:
     """The arguments of ``StepAccountant.observe_step`` for one call.
 
-    Runs every step: the helpers above are inlined (each call costs about a
-    microsecond inside the engine's step).
+    Runs every step, so each field is read here, not through a helper (each
+    call costs about a microsecond inside the engine's step). Grammar-
+    invalidated draft counts are absent before vLLM ~0.9. Requests whose
+    external KV load failed are skipped, as vLLM does; vLLM also skips
+    requests hit by invalid KV blocks, which needs the scheduler's block
+    tables to tell, so those rare steps may count requests vLLM skipped
+    (documented limitation).
     """
     kv_output = getattr(model_runner_output, "kv_connector_output", None)
     failed = getattr(kv_output, "failed_recving", None) if kv_output else None
