@@ -41,6 +41,7 @@ from typing import Any, NamedTuple, Protocol
 from otel_specdec._instruments import REQUEST_RATE_BOUNDS
 from otel_specdec._request_details import RequestDetails, tail_sums
 from otel_specdec._row_tallies import RowTallies
+from otel_specdec._vllm_compat import STEP_FIELDS
 
 try:
     from otel_specdec._rowscan import Scanner as NATIVE_SCANNER
@@ -52,6 +53,9 @@ __all__ = ["SpecDecodeTotals", "StepAccountant", "TotalsSnapshot"]
 Attributes = Mapping[str, Any]
 
 VECTORISE_FROM_BATCH = 32
+# Indices in SpecDecodeTotals.step_counts (the C pass uses the same).
+EMPTY_PROPOSALS = 0
+PADDING_TOKENS = 1
 # Spilled tallies of requests that vanished without being freed are swept.
 _SWEEP_EVERY_STEPS = 4096
 # Released request ids are kept a few steps (see release); pruned this often.
@@ -111,10 +115,9 @@ class SpecDecodeTotals:
         "num_speculative_tokens",
         "accepted_hist",
         "drafted_hist",
-        "empty_proposals",
-        "padding_tokens",
+        "step_counts",
         "rate_buckets",
-        "rate_sum",
+        "rate_sum_cell",
         "rate_trackers",
         "rate_exemplars",
         "start_time_ns",
@@ -125,11 +128,13 @@ class SpecDecodeTotals:
         self.num_speculative_tokens = num_speculative_tokens
         self.accepted_hist = [0] * (num_speculative_tokens + 1)
         self.drafted_hist = [0] * (num_speculative_tokens + 1)
-        self.empty_proposals = 0
-        self.padding_tokens = 0
+        # [empty proposals, padding tokens]. The counts and the rate sum are
+        # kept in lists, like the histograms, so that the C pass adds to them
+        # in place.
+        self.step_counts = [0, 0]
         # One bucket per explicit bound plus the overflow bucket.
         self.rate_buckets = [0] * (len(REQUEST_RATE_BOUNDS) + 1)
-        self.rate_sum = 0.0
+        self.rate_sum_cell = [0.0]
         # Per-reader running min/max of request rates since that reader's
         # last collection (min/max cannot be derived from buckets).
         self.rate_trackers: dict[int, list[float]] = {}
@@ -139,6 +144,18 @@ class SpecDecodeTotals:
             [None] * len(self.rate_buckets)
         )
         self.start_time_ns = time.time_ns()
+
+    @property
+    def empty_proposals(self) -> int:
+        return self.step_counts[EMPTY_PROPOSALS]
+
+    @property
+    def padding_tokens(self) -> int:
+        return self.step_counts[PADDING_TOKENS]
+
+    @property
+    def rate_sum(self) -> float:
+        return self.rate_sum_cell[0]
 
     def grow(self, size: int) -> None:
         """Make the histograms hold values up to ``size - 1`` (dynamic k)."""
@@ -153,7 +170,7 @@ class SpecDecodeTotals:
 
     def add_rates(self, rate_sum: float, low: float, high: float) -> None:
         """Add rates already counted in ``rate_buckets``: their sum, min and max."""
-        self.rate_sum += rate_sum
+        self.rate_sum_cell[0] += rate_sum
         for tracker in self.rate_trackers.values():
             if low < tracker[0]:
                 tracker[0] = low
@@ -170,10 +187,9 @@ class SpecDecodeTotals:
         return TotalsSnapshot(
             list(self.accepted_hist),
             list(self.drafted_hist),
-            self.empty_proposals,
-            self.padding_tokens,
+            *self.step_counts,
             list(self.rate_buckets),
-            self.rate_sum,
+            self.rate_sum_cell[0],
         )
 
 
@@ -181,14 +197,17 @@ class StepAccountant:
     """Per-scheduler accounting: feeds one ``SpecDecodeTotals`` each step.
 
     Three paths compute the same numbers. The exact path is a Python loop
-    that follows vLLM's own loop request by request; it serves small batches
-    and every unusual step (grammar-invalidated drafts, stale output after a
-    preemption, several sampled tokens per step, outputs not in row order),
-    and every step while request spans are on. The common step of a large
-    batch takes the C pass (``_rowscan.Scanner``: one pass over the rows,
-    tallies kept by row in C arrays) where the optional accelerator was
-    built, else the pure-Python vectorised path (builtin passes over
-    ``RowTallies``).
+    that follows vLLM's own loop request by request; it serves every unusual
+    step (grammar-invalidated drafts, failed KV loads, stale output after a
+    preemption, several sampled tokens per step, outputs not in row order)
+    and every step while request spans are on. Where the optional C
+    accelerator was built, every other step is taken by ``step_fast``
+    (``_rowscan.Scanner.step``: one call per step, which reads the step's
+    inputs, passes over the rows once with tallies kept by row in C arrays,
+    and adds to the totals itself), called by the patch without going
+    through ``observe_step``. Without it, the common step of a large batch
+    takes the pure-Python vectorised path (builtin passes over
+    ``RowTallies``) and small batches the exact path.
 
     Finished requests are released in bulk (``release``) from vLLM's own
     sets of freed requests: each tally becomes one per-request rate.
@@ -197,6 +216,8 @@ class StepAccountant:
     __slots__ = (
         "totals",
         "vectorise_from",
+        "step_fast",
+        "release_fast",
         "_requests",
         "_tallies",
         "_scanner",
@@ -239,9 +260,8 @@ class StepAccountant:
         self._tallies: Any = RowTallies(totals.num_speculative_tokens)
         if NATIVE_SCANNER is not None and type(requests) is dict:
             self._scanner = self._tallies = NATIVE_SCANNER(
-                requests, totals.accepted_hist, totals.drafted_hist, REQUEST_RATE_BOUNDS,
-                totals.rate_buckets, track_padding, steps_in_flight > 0,
-                self._freed_keep_steps,
+                totals, requests, REQUEST_RATE_BOUNDS, tuple(STEP_FIELDS), track_padding,
+                steps_in_flight > 0, self._freed_keep_steps, _SWEEP_EVERY_STEPS,
             )
         self._num_sampled = num_sampled_per_step
         # Under async scheduling every scheduled draft is a -1 placeholder,
@@ -264,6 +284,31 @@ class StepAccountant:
         self._details = RequestDetails(totals.num_speculative_tokens) if spans else None
         if spans is not None:
             self.vectorise_from = sys.maxsize
+        # What the patch calls each step: the C pass's step (None: call
+        # observe_step), and release or the C pass's own.
+        scanner = self._scanner
+        fast = scanner is not None and spans is None and num_sampled_per_step == 1
+        self.step_fast: Any = scanner.step if fast else None
+        self.release_fast: Any = scanner.release if fast else self.release
+
+    def finish_fast_step(self, leftovers: tuple[list[str] | None, list[tuple[int, int]] | None]
+                         ) -> None:
+        """What ``step_fast`` left to Python (a tuple result).
+
+        Suspects: one-token rows without a draft whose request it could not
+        tell was decoding (a new owner in the row, no output last step).
+        Overflow: drafts too long for its counts, (accepted, drafted).
+        """
+        suspects, overflow = leftovers
+        totals = self.totals
+        if suspects:
+            requests = self._requests
+            empty = sum(1 for req_id in suspects if _is_decoding(requests.get(req_id)))
+            if empty:
+                totals.step_counts[EMPTY_PROPOSALS] += empty
+        for accepted, drafted in overflow or ():
+            _add_counts(totals, totals.accepted_hist, ((accepted, 1),))
+            _add_counts(totals, totals.drafted_hist, ((drafted, 1),))
 
     def observe_step(
         self,
@@ -298,26 +343,17 @@ class StepAccountant:
             and self._num_sampled == 1
             and sampled_token_ids
         )
-        if scanner is None:
-            if released_ids:
-                self.release(released_ids)
-            if vectorise:
-                empty = self._observe_vectorised(
-                    spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index,
-                    req_ids, skip,
-                )
-        elif vectorise:
-            # Releases released_ids too when it takes the step.
-            empty = self._observe_native(
+        if released_ids:
+            self.release(released_ids)
+        if scanner is None and vectorise:
+            empty = self._observe_vectorised(
                 spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index,
-                req_ids, skip, released_ids,
+                req_ids, skip,
             )
         if empty is None:
             self._prev_sampled = None
             if scanner is not None:
-                scanner.invalidate()
-                if released_ids:
-                    self.release(released_ids)
+                scanner.invalidate()  # the C pass's previous step is not this one's
             if spec_tokens:
                 self._observe_exact(
                     spec_tokens, sampled_token_ids, req_id_to_index, invalid_spec_tokens, skip
@@ -327,7 +363,7 @@ class StepAccountant:
                 spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index
             )
         if empty:
-            self.totals.empty_proposals += empty
+            self.totals.step_counts[EMPTY_PROPOSALS] += empty
         if self._step % _PRUNE_FREED_EVERY_STEPS == 0 and self._freed:
             self._prune_freed()
         if self._step % _SWEEP_EVERY_STEPS == 0:
@@ -396,103 +432,7 @@ class StepAccountant:
                 details.add(request, num_drafted, num_accepted, now_ns)
 
         if padding:
-            totals.padding_tokens += padding
-
-    def _observe_native(
-        self,
-        spec_tokens: Mapping[str, Sequence[int]],
-        num_scheduled_tokens: Mapping[str, int],
-        sampled_token_ids: Sequence[Sequence[int]],
-        row_of: Mapping[str, int],
-        rows: Sequence[str],
-        skip: set[str] | None,
-        released_ids: Collection[str] | None,
-    ) -> int | None:
-        """The common step in one C pass (``_rowscan.Scanner``), in row space.
-
-        Returns the step's empty proposals, or None when it declined the step
-        and changed nothing (then the exact path runs). Python work is spent
-        only on rare rows: those vLLM skips, drafts too long for the C pass's
-        counts, and one-token rows it could not tell were decoding.
-        """
-        n = len(rows)
-        if (
-            type(rows) is not list
-            or type(sampled_token_ids) is not list
-            or type(spec_tokens) is not dict
-            or type(num_scheduled_tokens) is not dict
-            or type(row_of) is not dict
-            or len(sampled_token_ids) != n
-            or row_of.get(rows[0]) != 0
-            or row_of.get(rows[-1]) != n - 1
-        ):
-            return None  # not a layout the C pass knows
-        result = self._scanner.scan(
-            rows, sampled_token_ids, spec_tokens, num_scheduled_tokens, row_of, released_ids
-        )
-        if result is None:
-            return None  # a preempted request's in-flight output: rare, exact path
-        padding, empty, suspects, overflow, rates = result
-        totals = self.totals
-        if rates is not None:
-            totals.add_rates(*rates)
-        if released_ids and self._details is not None:
-            self._submit_spans(released_ids)
-        if skip or suspects or overflow:
-            padding, empty = self._native_corrections(
-                rows, row_of, sampled_token_ids, spec_tokens, num_scheduled_tokens, skip,
-                suspects or [], overflow or [], padding, empty,
-            )
-        if padding:
-            totals.padding_tokens += padding
-        return empty
-
-    def _native_corrections(
-        self,
-        rows: Sequence[str],
-        row_of: Mapping[str, int],
-        sampled_token_ids: Sequence[Sequence[int]],
-        spec_tokens: Mapping[str, Sequence[int]],
-        num_scheduled_tokens: Mapping[str, int],
-        skip: set[str] | None,
-        suspects: list[int],
-        overflow: list[tuple[int, int]],
-        padding: int,
-        empty: int,
-    ) -> tuple[int, int]:
-        """What the C pass left to Python: returns (padding, empty) corrected.
-
-        Rows vLLM skips (a failed KV load) are taken back; drafts too long
-        for the C pass's counts are added; one-token rows without a draft
-        whose request may not be decoding yet are looked up.
-        """
-        totals = self.totals
-        requests = self._requests
-        # (accepted, drafted, +1 or -1) per draft not in the totals' histograms.
-        changes = [(a, d, 1) for a, d in overflow]
-        for req_id in skip or ():
-            row = row_of.get(req_id)
-            if row is None or row >= len(rows) or rows[row] != req_id:
-                continue
-            sampled = len(sampled_token_ids[row])
-            drafts = spec_tokens.get(req_id) or ()
-            if not sampled or req_id not in requests:
-                continue  # the C pass did not count it
-            if drafts:
-                changes.append((sampled - 1, len(drafts), -1))
-                self._scanner.add(row, -len(drafts), 1 - sampled)
-                if self._track_padding and drafts[-1] < 0:
-                    padding -= list(drafts).count(-1)
-            elif num_scheduled_tokens.get(req_id) == 1 and row not in suspects:
-                empty -= 1
-        for row in suspects:
-            req_id = rows[row]
-            if (skip is None or req_id not in skip) and _is_decoding(requests.get(req_id)):
-                empty += 1
-        for accepted, drafted, sign in changes:
-            _add_counts(totals, totals.accepted_hist, ((accepted, sign),))
-            _add_counts(totals, totals.drafted_hist, ((drafted, sign),))
-        return padding, empty
+            totals.step_counts[PADDING_TOKENS] += padding
 
     def _observe_vectorised(
         self,
@@ -578,7 +518,7 @@ class StepAccountant:
         _add_counts(totals, totals.accepted_hist, [(s - 1, c) for s, c in accepted_counts.items()])
         _add_counts(totals, totals.drafted_hist, drafted_counts.items())
         if padding:
-            totals.padding_tokens += padding
+            totals.step_counts[PADDING_TOKENS] += padding
         # Every row drafted k tokens: no row was scheduled for one token alone.
         empty = 0 if drafted is None else self._empty_in_rows(
             num_scheduled_tokens, rows, changed, unverified
@@ -689,9 +629,7 @@ class StepAccountant:
                 empty += 1
         return empty
 
-    def release(
-        self, request_ids: Collection[str] | None, *, end_of_step: bool = False
-    ) -> None:
+    def release(self, request_ids: Collection[str] | None, end_of_step: bool = False) -> None:
         """Finished (or aborted) requests: each tally becomes one acceptance rate.
 
         ``request_ids`` is one of vLLM's sets of requests freed since a
@@ -704,9 +642,7 @@ class StepAccountant:
         """
         scanner = self._scanner
         if scanner is not None:
-            rates = scanner.release(request_ids, end_of_step)
-            if rates is not None:
-                self.totals.add_rates(*rates)
+            scanner.release(request_ids, end_of_step)
         elif request_ids:
             self._release_rows(request_ids)
         if request_ids and self._details is not None:

@@ -1,15 +1,20 @@
 /*
- * The accounting's common step in C: one pass over a step's batch rows.
+ * The accounting's common step in C: one call and one pass per engine step.
  *
  * Inside the engine's step the plugin's data and code are cold in the CPU
  * caches (the host's own loop has just run): each pure-Python pass over the
  * batch costs 25-60 ns per request, and each Python-level call about a
- * microsecond. A Scanner keeps the per-row tallies in C arrays and does a
- * step in one call and one pass, touching each row's objects once.
+ * microsecond. A Scanner keeps the per-row tallies in C arrays and accounts
+ * a whole step in one call (Scanner.step): it reads the step's inputs from
+ * vLLM's own objects, passes over the rows once, touching each row's objects
+ * once, and adds the results to the totals itself. A step it cannot take
+ * whole it declines before changing anything, and the exact Python path
+ * (_accounting.py) runs instead.
  *
  * It only reads the host's objects (lists, dicts, ints; the scheduler's
- * request table); it writes its own state and the plugin's totals (Python
- * lists of ints handed over at construction). All of it runs under the GIL.
+ * request table); it writes its own state and the plugin's totals (the
+ * Python lists and dict of a SpecDecodeTotals, taken at construction). All
+ * of it runs under the GIL.
  *
  * Optional: without a C compiler the package installs without it and
  * _accounting.py uses its pure-Python paths. _accounting.py documents the
@@ -19,11 +24,24 @@
 #include <Python.h>
 
 /* Values (accepted or drafted tokens per draft) counted in local arrays;
- * larger ones are returned one by one in the overflow list. */
+ * larger ones are returned one by one for Python to add. */
 #define HIST_SIZE 64
 #define MAX_BOUNDS 64
+/* Where the step's inputs are: names handed over by _vllm_compat. */
+enum {
+    F_SPEC, F_SCHEDULED, F_INVALID, F_FINISHED, /* on the SchedulerOutput */
+    F_SAMPLED, F_ROW_OF, F_ROWS, F_KV,          /* on the ModelRunnerOutput */
+    F_KV_FAILED,                                /* on its KV connector output */
+    N_FIELDS
+};
+/* SpecDecodeTotals.step_counts: [empty proposals, padding tokens]. */
+enum { COUNT_EMPTY, COUNT_PADDING };
 
 static PyObject *stale_attr; /* "num_stale_output_tokens", interned */
+/* CPython keeps one object for each small int: every -1 that the
+ * interpreter, PyLong_FromLong or .tolist() makes is this one, so a -1
+ * placeholder is told by its address, without reading the (cold) object. */
+static PyObject *minus_one;
 
 typedef struct {
     PyObject_HEAD
@@ -32,19 +50,24 @@ typedef struct {
     long long *drf;     /* per row: drafted tokens */
     unsigned char *had_output; /* per row: produced output in the previous step */
     Py_ssize_t cap;     /* rows allocated */
-    int prev_valid;     /* the previous step went through scan() */
+    int prev_valid;     /* the previous step went through step() */
     int track_padding;
     int in_flight;      /* steps can be in flight (async scheduling, pipelines) */
-    int check_stale;
+    int check_stale;    /* -1: not known yet (asked of the first request seen) */
     PyObject *spilled;  /* dict: req_id -> (drafted, accepted) of rows left */
     PyObject *requests; /* the scheduler's request table (dict) */
     PyObject *released; /* dict: req_id -> step it was released at (recent ones) */
-    long long step;     /* scan() calls so far */
+    long long step;     /* step() calls that took their step */
     long long keep_steps; /* steps a released id is remembered */
+    long long sweep_every; /* steps between sweeps of spilled tallies */
     PyObject *row_of;   /* the current step's batch index (dict), or NULL */
     PyObject *acc_hist; /* totals: drafts per accepted-prefix length (list) */
     PyObject *drf_hist; /* totals: drafts per drafted length (list) */
     PyObject *buckets;  /* totals: finished requests per rate bucket (list) */
+    PyObject *counts;   /* totals: [empty proposals, padding tokens] (list) */
+    PyObject *rate_sum; /* totals: [sum of request rates] (list) */
+    PyObject *trackers; /* totals: reader -> [min, max] of rates since (dict) */
+    PyObject *fields[N_FIELDS];
     double bounds[MAX_BOUNDS];
     Py_ssize_t nb;
 } Scanner;
@@ -75,10 +98,18 @@ same_owner(PyObject *owner, PyObject *req_id)
     return PyObject_RichCompareBool(owner, req_id, Py_EQ);
 }
 
-/* -1 sentinels in a draft whose last entry is negative (padding). */
+/* -1 placeholders in a draft whose last entry is negative (padding). */
 static Py_ssize_t
 padding_in(PyObject *drafts, Py_ssize_t d)
 {
+    if (PyList_CheckExact(drafts)) {
+        if (PyList_GET_ITEM(drafts, d - 1) != minus_one)
+            return 0;
+        Py_ssize_t count = 0;
+        for (Py_ssize_t j = 0; j < d; j++)
+            count += PyList_GET_ITEM(drafts, j) == minus_one;
+        return count;
+    }
     PyObject *last = PySequence_GetItem(drafts, d - 1);
     if (last == NULL)
         return -1;
@@ -100,6 +131,23 @@ padding_in(PyObject *drafts, Py_ssize_t d)
     return PyErr_Occurred() ? -1 : count;
 }
 
+/* A spilled tally, (drafted, accepted): added to *drafted and *accepted. */
+static int
+add_tally(PyObject *tally, long long *drafted, long long *accepted)
+{
+    if (!PyTuple_CheckExact(tally) || PyTuple_GET_SIZE(tally) != 2) {
+        PyErr_SetString(PyExc_TypeError, "spilled tally: (drafted, accepted) expected");
+        return -1;
+    }
+    long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(tally, 0));
+    long long a = PyLong_AsLongLong(PyTuple_GET_ITEM(tally, 1));
+    if (PyErr_Occurred())
+        return -1;
+    *drafted += d;
+    *accepted += a;
+    return 0;
+}
+
 /* spilled[req_id] += (drafted, accepted) */
 static int
 spill(Scanner *self, PyObject *req_id, long long drafted, long long accepted)
@@ -108,15 +156,15 @@ spill(Scanner *self, PyObject *req_id, long long drafted, long long accepted)
         return 0;
     PyObject *previous = PyDict_GetItemWithError(self->spilled, req_id);
     if (previous != NULL) {
-        long long d, a;
-        if (!PyArg_ParseTuple(previous, "LL", &d, &a))
+        if (add_tally(previous, &drafted, &accepted) < 0)
             return -1;
-        drafted += d;
-        accepted += a;
     } else if (PyErr_Occurred()) {
         return -1;
     }
-    PyObject *tally = Py_BuildValue("(LL)", drafted, accepted);
+    PyObject *d = PyLong_FromLongLong(drafted), *a = PyLong_FromLongLong(accepted);
+    PyObject *tally = d && a ? PyTuple_Pack(2, d, a) : NULL;
+    Py_XDECREF(d);
+    Py_XDECREF(a);
     if (tally == NULL)
         return -1;
     int rc = PyDict_SetItem(self->spilled, req_id, tally);
@@ -179,27 +227,43 @@ nomem:
     return -1;
 }
 
-/* Forget released ids older than keep_steps. */
+/* Delete from dict the keys for which keep(key, value) is 0. */
 static int
-prune_released(Scanner *self)
+delete_where_not(PyObject *dict, int (*keep)(Scanner *, PyObject *, PyObject *),
+                 Scanner *self)
 {
     PyObject *expired = PyList_New(0), *key, *value;
     Py_ssize_t pos = 0;
     if (expired == NULL)
         return -1;
-    while (PyDict_Next(self->released, &pos, &key, &value)) {
-        if (PyLong_AsLongLong(value) < self->step - self->keep_steps &&
-            PyList_Append(expired, key) < 0)
+    while (PyDict_Next(dict, &pos, &key, &value)) {
+        int kept = keep(self, key, value);
+        if (kept < 0 || (!kept && PyList_Append(expired, key) < 0))
             goto fail;
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(expired); i++)
-        if (PyDict_DelItem(self->released, PyList_GET_ITEM(expired, i)) < 0)
+        if (PyDict_DelItem(dict, PyList_GET_ITEM(expired, i)) < 0)
             goto fail;
     Py_DECREF(expired);
-    return PyErr_Occurred() ? -1 : 0;
+    return 0;
 fail:
     Py_DECREF(expired);
     return -1;
+}
+
+static int
+is_recent(Scanner *self, PyObject *key, PyObject *step)
+{
+    long long when = PyLong_AsLongLong(step);
+    if (when == -1 && PyErr_Occurred())
+        return -1;
+    return when >= self->step - self->keep_steps;
+}
+
+static int
+is_live(Scanner *self, PyObject *req_id, PyObject *value)
+{
+    return PyDict_Contains(self->requests, req_id);
 }
 
 /* 1 if a live request of the step has stale output pending, 0 if none. */
@@ -231,33 +295,60 @@ any_stale(Scanner *self, PyObject *rows, PyObject *spec)
     return 0;
 }
 
+static PyObject *field(PyObject *obj, PyObject *name);
+
+/* Whether this vLLM's requests carry stale-output counts (asked once). */
 static int
-append_index(PyObject **list, Py_ssize_t i)
+learn_check_stale(Scanner *self)
+{
+    PyObject *key, *request;
+    Py_ssize_t pos = 0;
+    if (!self->in_flight) {
+        self->check_stale = 0; /* stale output needs a step in flight */
+        return 0;
+    }
+    if (!PyDict_Next(self->requests, &pos, &key, &request))
+        return 0; /* no request yet: ask again next step */
+    PyObject *stale = field(request, stale_attr);
+    if (stale == NULL && PyErr_Occurred())
+        return -1;
+    self->check_stale = stale != NULL;
+    Py_XDECREF(stale);
+    return 0;
+}
+
+static int
+append_new(PyObject **list, PyObject *item)
 {
     if (*list == NULL && (*list = PyList_New(0)) == NULL)
         return -1;
-    PyObject *value = PyLong_FromSsize_t(i);
-    if (value == NULL)
+    return PyList_Append(*list, item);
+}
+
+/* list[i] += delta for a list of ints (a totals' count). */
+static int
+bump(PyObject *list, Py_ssize_t i, long long delta)
+{
+    if (!delta)
+        return 0;
+    long long old = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+    if (old == -1 && PyErr_Occurred())
         return -1;
-    int rc = PyList_Append(*list, value);
-    Py_DECREF(value);
-    return rc;
+    PyObject *sum = PyLong_FromLongLong(old + delta);
+    if (sum == NULL)
+        return -1;
+    PyList_SetItem(list, i, sum); /* drops the old count */
+    return 0;
 }
 
 /* hist_list[v] += counts[v] for v in 0..top (the list holds them all). */
 static int
 add_counts(PyObject *hist_list, const long long *counts, Py_ssize_t top)
 {
-    for (Py_ssize_t v = 0; v <= top; v++) {
-        if (!counts[v])
-            continue;
-        PyObject *sum = PyLong_FromLongLong(
-            PyLong_AsLongLong(PyList_GET_ITEM(hist_list, v)) + counts[v]);
-        if (sum == NULL)
+    for (Py_ssize_t v = 0; v <= top; v++)
+        if (bump(hist_list, v, counts[v]) < 0)
             return -1;
-        PyList_SetItem(hist_list, v, sum); /* drops the old count */
-    }
-    return PyErr_Occurred() ? -1 : 0;
+    return 0;
 }
 
 /* First index whose bound is >= rate (Python's bisect_left). */
@@ -273,6 +364,47 @@ bucket_of(const Scanner *self, double rate)
             hi = mid;
     }
     return lo;
+}
+
+/* The totals' rate sum and every reader's min/max take in released rates
+ * (their buckets were counted as each one was released). */
+static int
+add_rates(Scanner *self, const Rates *rates)
+{
+    if (!rates->count)
+        return 0;
+    double old = PyFloat_AsDouble(PyList_GET_ITEM(self->rate_sum, 0));
+    if (old == -1.0 && PyErr_Occurred())
+        return -1;
+    PyObject *sum = PyFloat_FromDouble(old + rates->sum);
+    if (sum == NULL)
+        return -1;
+    PyList_SetItem(self->rate_sum, 0, sum);
+    PyObject *key, *tracker;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(self->trackers, &pos, &key, &tracker)) {
+        if (!PyList_Check(tracker) || PyList_GET_SIZE(tracker) != 2) {
+            PyErr_SetString(PyExc_TypeError, "rate tracker: [min, max] expected");
+            return -1;
+        }
+        double lo = PyFloat_AsDouble(PyList_GET_ITEM(tracker, 0));
+        double hi = PyFloat_AsDouble(PyList_GET_ITEM(tracker, 1));
+        if (PyErr_Occurred())
+            return -1;
+        if (rates->lo < lo) {
+            PyObject *value = PyFloat_FromDouble(rates->lo);
+            if (value == NULL)
+                return -1;
+            PyList_SetItem(tracker, 0, value);
+        }
+        if (rates->hi > hi) {
+            PyObject *value = PyFloat_FromDouble(rates->hi);
+            if (value == NULL)
+                return -1;
+            PyList_SetItem(tracker, 1, value);
+        }
+    }
+    return 0;
 }
 
 /* The row req_id owns: where row_of says, else (no index) a search; -1: none. */
@@ -310,8 +442,49 @@ find_row(Scanner *self, PyObject *req_id, Py_ssize_t *row)
     return 0;
 }
 
-/* Finished requests: each tally (row plus spilled) becomes one rate. A
- * request released before has no tally left: releasing is idempotent. */
+/* One finished request: its tally (row plus spilled) becomes one rate. */
+static int
+release_one(Scanner *self, PyObject *req_id, PyObject *when, Rates *rates)
+{
+    long long drafted = 0, accepted = 0;
+    Py_ssize_t row;
+    if (find_row(self, req_id, &row) < 0)
+        return -1;
+    if (PyDict_SetItem(self->released, req_id, when) < 0)
+        return -1;
+    if (row >= 0) {
+        drafted += self->drf[row];
+        accepted += self->acc[row];
+        self->drf[row] = 0;
+        self->acc[row] = 0;
+    }
+    if (PyDict_GET_SIZE(self->spilled)) {
+        PyObject *tally = PyDict_GetItemWithError(self->spilled, req_id);
+        if (tally != NULL) {
+            if (add_tally(tally, &drafted, &accepted) < 0)
+                return -1;
+            if (PyDict_DelItem(self->spilled, req_id) < 0)
+                return -1;
+        } else if (PyErr_Occurred()) {
+            return -1;
+        }
+    }
+    if (drafted <= 0)
+        return 0;
+    double rate = (double)accepted / (double)drafted;
+    if (bump(self->buckets, bucket_of(self, rate), 1) < 0)
+        return -1;
+    if (rates->count == 0 || rate < rates->lo)
+        rates->lo = rate;
+    if (rates->count == 0 || rate > rates->hi)
+        rates->hi = rate;
+    rates->sum += rate;
+    rates->count++;
+    return 0;
+}
+
+/* Finished requests, released once each: an id released in the last
+ * keep_steps steps is passed over (vLLM hands the same id over twice). */
 static int
 release_ids(Scanner *self, PyObject *ids, Rates *rates)
 {
@@ -323,114 +496,122 @@ release_ids(Scanner *self, PyObject *ids, Rates *rates)
         Py_DECREF(iter);
         return -1;
     }
-    while ((req_id = PyIter_Next(iter)) != NULL) {
-        long long drafted = 0, accepted = 0;
-        Py_ssize_t row;
-        if (find_row(self, req_id, &row) < 0)
-            goto fail;
-        if (PyDict_SetItem(self->released, req_id, when) < 0)
-            goto fail;
-        if (row >= 0) {
-            drafted += self->drf[row];
-            accepted += self->acc[row];
-            self->drf[row] = 0;
-            self->acc[row] = 0;
-        }
-        if (PyDict_GET_SIZE(self->spilled)) {
-            PyObject *tally = PyDict_GetItemWithError(self->spilled, req_id);
-            if (tally != NULL) {
-                long long d, a;
-                if (!PyArg_ParseTuple(tally, "LL", &d, &a))
-                    goto fail;
-                drafted += d;
-                accepted += a;
-                if (PyDict_DelItem(self->spilled, req_id) < 0)
-                    goto fail;
-            } else if (PyErr_Occurred()) {
-                goto fail;
-            }
-        }
+    int rc = 0;
+    while (rc == 0 && (req_id = PyIter_Next(iter)) != NULL) {
+        rc = PyDict_Contains(self->released, req_id);
+        if (rc == 0)
+            rc = release_one(self, req_id, when, rates);
+        else if (rc > 0)
+            rc = 0;
         Py_DECREF(req_id);
-        if (drafted <= 0)
-            continue;
-        double rate = (double)accepted / (double)drafted;
-        Py_ssize_t b = bucket_of(self, rate);
-        PyObject *bumped =
-            PyLong_FromLongLong(PyLong_AsLongLong(PyList_GET_ITEM(self->buckets, b)) + 1);
-        if (bumped == NULL)
-            goto fail_iter;
-        PyList_SetItem(self->buckets, b, bumped);
-        if (rates->count == 0 || rate < rates->lo)
-            rates->lo = rate;
-        if (rates->count == 0 || rate > rates->hi)
-            rates->hi = rate;
-        rates->sum += rate;
-        rates->count++;
     }
     Py_DECREF(when);
     Py_DECREF(iter);
-    return PyErr_Occurred() ? -1 : 0;
-fail:
-    Py_DECREF(req_id);
-fail_iter:
-    Py_DECREF(when);
-    Py_DECREF(iter);
-    return -1;
+    return rc < 0 || PyErr_Occurred() ? -1 : 0;
 }
 
+/* getattr(obj, name), or NULL without an error where it has none. */
 static PyObject *
-rates_or_none(const Rates *rates)
+field(PyObject *obj, PyObject *name)
 {
-    if (!rates->count)
-        Py_RETURN_NONE;
-    return Py_BuildValue("(ddd)", rates->sum, rates->lo, rates->hi);
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL && PyErr_ExceptionMatches(PyExc_AttributeError))
+        PyErr_Clear();
+    return value;
 }
 
-PyDoc_STRVAR(scan_doc,
-"scan(rows, sampled, spec_tokens, num_scheduled, row_of, released)\n"
-"-> (padding, empty, suspects, overflow, rates) or None\n\n"
-"Account one step in row space (rows: the model runner's req_ids, in\n"
-"row order; row_of: its req_id -> row index). Adds each verified draft\n"
-"to the totals' histograms and to its row; rows whose owner changed get\n"
-"the new owner (the old one's tally is spilled). Then releases the\n"
-"requests in ``released`` (None or a collection of ids).\n\n"
-"None: a request of the step has stale output (a preemption while a step\n"
-"was in flight); nothing was changed. Otherwise: padding tokens; empty\n"
-"proposals it could confirm; suspects: rows (or None) with one scheduled\n"
-"token and no draft whose request it could not tell was decoding;\n"
-"overflow: (accepted, drafted) pairs (or None) too large for the\n"
-"histograms; rates: (sum, min, max) of released requests' rates, or None.");
+typedef struct {
+    PyObject *spec, *scheduled, *sampled, *row_of, *rows, *finished;
+} StepInputs;
 
-static PyObject *
-Scanner_scan(Scanner *self, PyObject *args)
+static void
+inputs_clear(StepInputs *in)
 {
-    PyObject *rows, *sampled, *spec, *scheduled, *row_of, *released;
-    PyObject *suspects = NULL, *overflow = NULL, *result = NULL;
-    long long acc_hist[HIST_SIZE] = {0}, drf_hist[HIST_SIZE] = {0};
-    Py_ssize_t acc_top = -1, drf_top = -1, padding = 0, empty = 0;
-    Rates rates = {0, 0.0, 0.0, 0.0};
+    Py_CLEAR(in->spec);
+    Py_CLEAR(in->scheduled);
+    Py_CLEAR(in->sampled);
+    Py_CLEAR(in->row_of);
+    Py_CLEAR(in->rows);
+    Py_CLEAR(in->finished);
+}
 
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O", &PyList_Type, &rows, &PyList_Type, &sampled,
-                          &PyDict_Type, &spec, &PyDict_Type, &scheduled, &PyDict_Type, &row_of,
-                          &released))
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(rows);
-    if (PyList_GET_SIZE(sampled) != n) {
-        PyErr_SetString(PyExc_ValueError, "scan: one output per row expected");
-        return NULL;
-    }
-    if (self->check_stale) {
-        int stale = any_stale(self, rows, spec);
-        if (stale < 0)
-            return NULL;
-        if (stale) /* a preempted request's in-flight output: the exact path's */
-            Py_RETURN_NONE;
-    }
-    Py_INCREF(row_of);
-    Py_XSETREF(self->row_of, row_of);
-    if (fit(self, n) < 0)
-        return NULL;
-    /* Values the totals' lists hold (and the local arrays). */
+/* 1: a truthy value at obj.name (a field that makes the step unusual). */
+static int
+field_is_set(PyObject *obj, PyObject *name)
+{
+    PyObject *value = field(obj, name);
+    if (value == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    int truth = value == Py_None ? 0 : PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+/* 1: the step's inputs are in the layout step() takes; 0: decline; -1: error. */
+static int
+read_inputs(Scanner *self, PyObject *so, PyObject *mro, StepInputs *in)
+{
+    PyObject **f = self->fields;
+    if (!(in->spec = field(so, f[F_SPEC])) || !(in->scheduled = field(so, f[F_SCHEDULED])) ||
+        !(in->sampled = field(mro, f[F_SAMPLED])) || !(in->row_of = field(mro, f[F_ROW_OF])) ||
+        !(in->rows = field(mro, f[F_ROWS])))
+        return PyErr_Occurred() ? -1 : 0;
+    if ((in->finished = field(so, f[F_FINISHED])) == NULL && PyErr_Occurred())
+        return -1;
+    if (!PyDict_CheckExact(in->spec) || !PyDict_CheckExact(in->scheduled) ||
+        !PyList_CheckExact(in->sampled) || !PyDict_CheckExact(in->row_of) ||
+        !PyList_CheckExact(in->rows))
+        return 0;
+    Py_ssize_t n = PyList_GET_SIZE(in->rows);
+    if (n == 0 || PyList_GET_SIZE(in->sampled) != n)
+        return 0;
+    /* Outputs in row order: the index agrees at both ends. */
+    PyObject *first = PyDict_GetItemWithError(in->row_of, PyList_GET_ITEM(in->rows, 0));
+    PyObject *last = first ? PyDict_GetItemWithError(in->row_of, PyList_GET_ITEM(in->rows, n - 1))
+                           : NULL;
+    if (last == NULL || !PyLong_CheckExact(first) || !PyLong_CheckExact(last))
+        return PyErr_Occurred() ? -1 : 0;
+    if (PyLong_AsSsize_t(first) != 0 || PyLong_AsSsize_t(last) != n - 1)
+        return PyErr_Occurred() ? -1 : 0;
+    /* Grammar-invalidated drafts: the exact path's. */
+    int unusual = field_is_set(so, f[F_INVALID]);
+    if (unusual != 0)
+        return unusual < 0 ? -1 : 0;
+    /* Failed KV loads (requests vLLM skips): the exact path's. */
+    PyObject *kv = field(mro, f[F_KV]);
+    if (kv == NULL)
+        return PyErr_Occurred() ? -1 : 1;
+    unusual = kv == Py_None ? 0 : field_is_set(kv, f[F_KV_FAILED]);
+    Py_DECREF(kv);
+    return unusual == 0 ? 1 : (unusual < 0 ? -1 : 0);
+}
+
+/* 1 if the collection holds key (0 for None or empty), -1 on error. */
+static int
+holds(PyObject *collection, PyObject *key)
+{
+    if (PyAnySet_Check(collection))
+        return PySet_Contains(collection, key);
+    if (PyDict_Check(collection))
+        return PyDict_Contains(collection, key);
+    return PySequence_Contains(collection, key);
+}
+
+/* Results of a pass over the rows. */
+typedef struct {
+    long long acc_hist[HIST_SIZE], drf_hist[HIST_SIZE];
+    Py_ssize_t acc_top, drf_top;
+    long long padding, empty;
+    PyObject *suspects; /* req_ids left to Python, or NULL */
+    PyObject *overflow; /* (accepted, drafted) pairs left to Python, or NULL */
+} Pass;
+
+/* The pass over the step's rows (see step()). freed: requests freed since
+ * the step's schedule (NULL: none), for one step at a time. */
+static int
+scan_rows(Scanner *self, StepInputs *in, PyObject *freed, Pass *p)
+{
+    Py_ssize_t n = PyList_GET_SIZE(in->rows);
     Py_ssize_t acc_cap = PyList_GET_SIZE(self->acc_hist);
     Py_ssize_t drf_cap = PyList_GET_SIZE(self->drf_hist);
     if (acc_cap > HIST_SIZE)
@@ -440,44 +621,41 @@ Scanner_scan(Scanner *self, PyObject *args)
     long long *acc = self->acc, *drf = self->drf;
     unsigned char *had_output = self->had_output;
     int prev_valid = self->prev_valid;
-    self->prev_valid = 0; /* until this step is through */
-    self->step++;
-    if (self->step % 8 == 0 && prune_released(self) < 0)
-        return NULL;
-    int check_released = PyDict_GET_SIZE(self->released) > 0;
+    PyObject **rows = PySequence_Fast_ITEMS(in->rows);
+    PyObject **sampled = PySequence_Fast_ITEMS(in->sampled);
+    PyObject **owners = PySequence_Fast_ITEMS(self->owners);
 
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *req_id = PyList_GET_ITEM(rows, i);
-        Py_ssize_t s = sized_len(PyList_GET_ITEM(sampled, i));
+        PyObject *req_id = rows[i];
+        Py_ssize_t s = sized_len(sampled[i]);
         if (s < 0)
-            goto done;
-        PyObject *drafts = PyDict_GetItemWithError(spec, req_id);
+            return -1;
+        PyObject *drafts = PyDict_GetItemWithError(in->spec, req_id);
         Py_ssize_t d = 0;
         if (drafts != NULL) {
-            d = sized_len(drafts);
-            if (d < 0)
-                goto done;
+            if ((d = sized_len(drafts)) < 0)
+                return -1;
         } else if (PyErr_Occurred()) {
-            goto done;
+            return -1;
         }
-        int same = same_owner(PyList_GET_ITEM(self->owners, i), req_id);
+        int same = same_owner(owners[i], req_id);
         if (same < 0 || (!same && reassign(self, i, req_id) < 0))
-            goto done;
+            return -1;
         /* vLLM skips output of a request no longer in the scheduler (freed
-         * while its step was in flight). With one step at a time, such a
-         * request was freed since this step's schedule, and every request
-         * freed since the schedule is released before the step (_patch):
-         * the few recent ids tell, without a lookup in the scheduler's
-         * large, cold request table. With steps in flight, look it up. */
+         * while its step ran). With one step at a time, such a request was
+         * freed since this step's schedule: it is in the scheduler's set of
+         * freed requests, almost always empty, and no lookup in the
+         * scheduler's large, cold request table is needed. With steps in
+         * flight, look it up. */
         int gone = 0;
         if (self->in_flight) {
             if (PyDict_GetItemWithError(self->requests, req_id) == NULL) {
                 if (PyErr_Occurred())
-                    goto done;
+                    return -1;
                 gone = 1;
             }
-        } else if (check_released && (gone = PyDict_Contains(self->released, req_id)) < 0) {
-            goto done;
+        } else if (freed != NULL && (gone = holds(freed, req_id)) < 0) {
+            return -1;
         }
         if (gone) {
             had_output[i] = 0;
@@ -486,100 +664,161 @@ Scanner_scan(Scanner *self, PyObject *args)
         if (d > 0 && s > 0) { /* a verified draft */
             Py_ssize_t a = s - 1;
             if (a < acc_cap && d < drf_cap) {
-                acc_hist[a]++;
-                drf_hist[d]++;
-                if (a > acc_top)
-                    acc_top = a;
-                if (d > drf_top)
-                    drf_top = d;
+                p->acc_hist[a]++;
+                p->drf_hist[d]++;
+                if (a > p->acc_top)
+                    p->acc_top = a;
+                if (d > p->drf_top)
+                    p->drf_top = d;
             } else {
-                if (overflow == NULL && (overflow = PyList_New(0)) == NULL)
-                    goto done;
                 PyObject *pair = Py_BuildValue("(nn)", a, d);
-                if (pair == NULL || PyList_Append(overflow, pair) < 0) {
-                    Py_XDECREF(pair);
-                    goto done;
-                }
-                Py_DECREF(pair);
+                int rc = pair == NULL ? -1 : append_new(&p->overflow, pair);
+                Py_XDECREF(pair);
+                if (rc < 0)
+                    return -1;
             }
             acc[i] += a;
             drf[i] += d;
             if (self->track_padding) {
                 Py_ssize_t pad = padding_in(drafts, d);
                 if (pad < 0)
-                    goto done;
-                padding += pad;
+                    return -1;
+                p->padding += pad;
             }
         } else if (d == 0 && s > 0) { /* no draft: an empty proposal if decoding */
-            PyObject *count = PyDict_GetItemWithError(scheduled, req_id);
+            PyObject *count = PyDict_GetItemWithError(in->scheduled, req_id);
             if (count == NULL) {
                 if (PyErr_Occurred())
-                    goto done;
+                    return -1;
             } else if (PyLong_Check(count) && PyLong_AsLong(count) == 1) {
                 /* Same owner with output last step: decoding. Others: Python checks. */
                 if (same && prev_valid && had_output[i])
-                    empty++;
-                else if (append_index(&suspects, i) < 0)
-                    goto done;
+                    p->empty++;
+                else if (append_new(&p->suspects, req_id) < 0)
+                    return -1;
             } else if (PyErr_Occurred()) {
-                goto done;
+                return -1;
             }
         }
         had_output[i] = s > 0;
     }
-    if (add_counts(self->acc_hist, acc_hist, acc_top) < 0 ||
-        add_counts(self->drf_hist, drf_hist, drf_top) < 0)
+    return 0;
+}
+
+PyDoc_STRVAR(step_doc,
+"step(scheduler_output, model_runner_output, freed) -> True, None or a tuple\n\n"
+"Account one step, before the host's update: reads the step's inputs\n"
+"(the fields named at construction), adds each verified draft to the\n"
+"totals' histograms and to its row's tally, counts padding and empty\n"
+"proposals, and releases the step's finished_req_ids. freed: the\n"
+"scheduler's own set of requests freed since the step's schedule (None or\n"
+"a collection); they are released first and skipped, as vLLM skips them.\n\n"
+"None: declined (an unusual step: another layout, grammar-invalidated\n"
+"drafts, failed KV loads, stale output after a preemption); nothing was\n"
+"changed and the exact path must take the step. True: done. A tuple\n"
+"(suspects, overflow): done but for rows left to Python: suspects, ids\n"
+"(or None) of one-token rows without a draft whose request it could not\n"
+"tell was decoding; overflow, (accepted, drafted) pairs (or None) too\n"
+"large for its counts.");
+
+static PyObject *
+Scanner_step(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    StepInputs in = {NULL};
+    Pass p = {{0}, {0}, -1, -1, 0, 0, NULL, NULL};
+    Rates rates = {0, 0.0, 0.0, 0.0};
+    PyObject *result = NULL;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "step: three arguments expected");
+        return NULL;
+    }
+    PyObject *freed = args[2];
+    int any_freed = freed == Py_None ? 0 : PyObject_IsTrue(freed);
+    if (any_freed < 0)
+        return NULL;
+    if (!any_freed)
+        freed = NULL;
+    int usable = read_inputs(self, args[0], args[1], &in);
+    if (usable <= 0)
+        goto decline;
+    if (self->check_stale < 0 && learn_check_stale(self) < 0)
+        goto done;
+    if (self->check_stale > 0) {
+        usable = any_stale(self, in.rows, in.spec);
+        if (usable != 0) /* a preempted request's in-flight output */
+            goto decline;
+    }
+
+    /* From here the step is taken. Requests freed since the schedule first
+     * (their rows are found by search: the index is this step's). */
+    Py_CLEAR(self->row_of);
+    if (freed != NULL && release_ids(self, freed, &rates) < 0)
+        goto done;
+    Py_INCREF(in.row_of);
+    Py_XSETREF(self->row_of, in.row_of);
+    if (fit(self, PyList_GET_SIZE(in.rows)) < 0)
+        goto done;
+    self->prev_valid = 0; /* until this step is through */
+    self->step++;
+    if (self->step % 8 == 0 && delete_where_not(self->released, is_recent, self) < 0)
+        goto done;
+    if (self->step % self->sweep_every == 0 &&
+        delete_where_not(self->spilled, is_live, self) < 0)
+        goto done;
+    if (scan_rows(self, &in, freed, &p) < 0)
+        goto done;
+    if (add_counts(self->acc_hist, p.acc_hist, p.acc_top) < 0 ||
+        add_counts(self->drf_hist, p.drf_hist, p.drf_top) < 0 ||
+        bump(self->counts, COUNT_PADDING, p.padding) < 0 ||
+        bump(self->counts, COUNT_EMPTY, p.empty) < 0)
         goto done;
     self->prev_valid = 1;
-    if (released != Py_None && release_ids(self, released, &rates) < 0)
+    if (in.finished != NULL && in.finished != Py_None &&
+        release_ids(self, in.finished, &rates) < 0)
         goto done;
-    PyObject *rates_obj = rates_or_none(&rates);
-    if (rates_obj == NULL)
+    if (add_rates(self, &rates) < 0)
         goto done;
-    result = Py_BuildValue("(nnOON)", padding, empty, suspects ? suspects : Py_None,
-                           overflow ? overflow : Py_None, rates_obj);
-
+    if (p.suspects == NULL && p.overflow == NULL)
+        result = Py_NewRef(Py_True);
+    else
+        result = Py_BuildValue("(OO)", p.suspects ? p.suspects : Py_None,
+                               p.overflow ? p.overflow : Py_None);
+    goto done;
+decline:
+    if (!PyErr_Occurred())
+        result = Py_NewRef(Py_None);
 done:
-    Py_XDECREF(suspects);
-    Py_XDECREF(overflow);
+    inputs_clear(&in);
+    Py_XDECREF(p.suspects);
+    Py_XDECREF(p.overflow);
     return result;
 }
 
 PyDoc_STRVAR(release_doc,
-"release(ids, end_of_step=False) -> (sum, min, max) of the rates, or None\n\n"
-"Finished requests: each tally becomes one rate in the totals' buckets.\n"
-"Idempotent. end_of_step: afterwards let go of the step's batch index.");
+"release(ids, end_of_step=False)\n\n"
+"Finished requests: each tally becomes one rate in the totals (buckets,\n"
+"sum, every reader's min and max). Idempotent. end_of_step: afterwards\n"
+"let go of the step's batch index.");
 
 static PyObject *
-Scanner_release(Scanner *self, PyObject *args, PyObject *kwargs)
+Scanner_release(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    static char *keywords[] = {"ids", "end_of_step", NULL};
-    PyObject *ids;
-    int end_of_step = 0;
     Rates rates = {0, 0.0, 0.0, 0.0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p", keywords, &ids, &end_of_step))
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "release: (ids, end_of_step=False) expected");
         return NULL;
+    }
+    int end_of_step = nargs == 2 ? PyObject_IsTrue(args[1]) : 0;
+    if (end_of_step < 0)
+        return NULL;
+    PyObject *ids = args[0];
     int rc = ids == Py_None ? 0 : release_ids(self, ids, &rates);
+    if (rc == 0)
+        rc = add_rates(self, &rates);
     if (end_of_step)
         Py_CLEAR(self->row_of);
     if (rc < 0)
         return NULL;
-    return rates_or_none(&rates);
-}
-
-static PyObject *
-Scanner_add(Scanner *self, PyObject *args)
-{
-    Py_ssize_t row;
-    long long drafted, accepted;
-    if (!PyArg_ParseTuple(args, "nLL", &row, &drafted, &accepted))
-        return NULL;
-    if (row < 0 || row >= PyList_GET_SIZE(self->owners)) {
-        PyErr_SetString(PyExc_IndexError, "add: no such row");
-        return NULL;
-    }
-    self->drf[row] += drafted;
-    self->acc[row] += accepted;
     Py_RETURN_NONE;
 }
 
@@ -591,6 +830,22 @@ Scanner_add_spilled(Scanner *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OLL", &req_id, &drafted, &accepted))
         return NULL;
     if (spill(self, req_id, drafted, accepted) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Scanner_drop_missing(Scanner *self, PyObject *live)
+{
+    if (!PyDict_Check(live)) {
+        PyErr_SetString(PyExc_TypeError, "drop_missing: the scheduler's request dict expected");
+        return NULL;
+    }
+    PyObject *requests = self->requests;
+    self->requests = live;
+    int rc = delete_where_not(self->spilled, is_live, self);
+    self->requests = requests;
+    if (rc < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -614,25 +869,37 @@ Scanner_invalidate(Scanner *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* A list attribute of the totals, new reference (exactly a list). */
+static PyObject *
+totals_list(PyObject *totals, const char *name, Py_ssize_t min_size)
+{
+    PyObject *value = PyObject_GetAttrString(totals, name);
+    if (value != NULL && (!PyList_CheckExact(value) || PyList_GET_SIZE(value) < min_size)) {
+        PyErr_Format(PyExc_TypeError, "Scanner: totals.%s is not a list of %zd", name,
+                     min_size);
+        Py_CLEAR(value);
+    }
+    return value;
+}
+
 static int
 Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"requests", "accepted_hist", "drafted_hist", "rate_bounds",
-                               "rate_buckets", "track_padding", "in_flight", "keep_steps",
+    static char *keywords[] = {"totals", "requests", "rate_bounds", "fields",
+                               "track_padding", "in_flight", "keep_steps", "sweep_every",
                                NULL};
-    PyObject *requests, *acc_hist, *drf_hist, *bounds, *buckets;
+    PyObject *totals, *requests, *bounds, *fields;
     int track_padding, in_flight;
-    long long keep_steps;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!OO!ppL", keywords, &PyDict_Type,
-                                     &requests, &PyList_Type, &acc_hist, &PyList_Type,
-                                     &drf_hist, &bounds, &PyList_Type, &buckets,
-                                     &track_padding, &in_flight, &keep_steps))
+    long long keep_steps, sweep_every;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!ppLL", keywords, &totals,
+                                     &PyDict_Type, &requests, &bounds, &PyTuple_Type, &fields,
+                                     &track_padding, &in_flight, &keep_steps, &sweep_every))
         return -1;
     Py_ssize_t nb = PySequence_Size(bounds);
     if (nb < 0)
         return -1;
-    if (nb > MAX_BOUNDS || PyList_GET_SIZE(buckets) != nb + 1) {
-        PyErr_SetString(PyExc_ValueError, "Scanner: rate bounds and buckets do not match");
+    if (nb > MAX_BOUNDS || PyTuple_GET_SIZE(fields) != N_FIELDS || sweep_every < 1) {
+        PyErr_SetString(PyExc_ValueError, "Scanner: bad rate bounds, fields or sweep_every");
         return -1;
     }
     for (Py_ssize_t b = 0; b < nb; b++) {
@@ -645,30 +912,56 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
             return -1;
     }
     self->nb = nb;
+    for (int i = 0; i < N_FIELDS; i++) {
+        PyObject *name = PyTuple_GET_ITEM(fields, i);
+        if (!PyUnicode_CheckExact(name)) {
+            PyErr_SetString(PyExc_TypeError, "Scanner: field names must be str");
+            return -1;
+        }
+        Py_INCREF(name);
+        PyUnicode_InternInPlace(&name);
+        Py_XSETREF(self->fields[i], name);
+    }
+    PyObject *acc_hist = totals_list(totals, "accepted_hist", 1);
+    PyObject *drf_hist = totals_list(totals, "drafted_hist", 1);
+    PyObject *buckets = totals_list(totals, "rate_buckets", nb + 1);
+    PyObject *counts = totals_list(totals, "step_counts", 2);
+    PyObject *rate_sum = totals_list(totals, "rate_sum_cell", 1);
+    PyObject *trackers = PyObject_GetAttrString(totals, "rate_trackers");
     PyObject *owners = PyList_New(0), *spilled = PyDict_New(), *released = PyDict_New();
-    if (owners == NULL || spilled == NULL || released == NULL) {
+    if (!acc_hist || !drf_hist || !buckets || !counts || !rate_sum || !trackers || !owners ||
+        !spilled || !released || !PyDict_Check(trackers)) {
+        if (trackers && !PyDict_Check(trackers))
+            PyErr_SetString(PyExc_TypeError, "Scanner: totals.rate_trackers is not a dict");
+        Py_XDECREF(acc_hist);
+        Py_XDECREF(drf_hist);
+        Py_XDECREF(buckets);
+        Py_XDECREF(counts);
+        Py_XDECREF(rate_sum);
+        Py_XDECREF(trackers);
         Py_XDECREF(owners);
         Py_XDECREF(spilled);
         Py_XDECREF(released);
         return -1;
     }
+    Py_XSETREF(self->acc_hist, acc_hist);
+    Py_XSETREF(self->drf_hist, drf_hist);
+    Py_XSETREF(self->buckets, buckets);
+    Py_XSETREF(self->counts, counts);
+    Py_XSETREF(self->rate_sum, rate_sum);
+    Py_XSETREF(self->trackers, trackers);
     Py_XSETREF(self->owners, owners);
     Py_XSETREF(self->spilled, spilled);
     Py_XSETREF(self->released, released);
-    self->keep_steps = keep_steps;
-    self->step = 0;
     Py_INCREF(requests);
     Py_XSETREF(self->requests, requests);
-    Py_INCREF(acc_hist);
-    Py_XSETREF(self->acc_hist, acc_hist);
-    Py_INCREF(drf_hist);
-    Py_XSETREF(self->drf_hist, drf_hist);
-    Py_INCREF(buckets);
-    Py_XSETREF(self->buckets, buckets);
     Py_CLEAR(self->row_of);
+    self->keep_steps = keep_steps;
+    self->sweep_every = sweep_every;
+    self->step = 0;
     self->track_padding = track_padding;
     self->in_flight = in_flight;
-    self->check_stale = 0;
+    self->check_stale = -1;
     self->prev_valid = 0;
     return 0;
 }
@@ -684,6 +977,9 @@ Scanner_traverse(Scanner *self, visitproc visit, void *arg)
     Py_VISIT(self->acc_hist);
     Py_VISIT(self->drf_hist);
     Py_VISIT(self->buckets);
+    Py_VISIT(self->counts);
+    Py_VISIT(self->rate_sum);
+    Py_VISIT(self->trackers);
     return 0;
 }
 
@@ -698,6 +994,11 @@ Scanner_clear_refs(Scanner *self)
     Py_CLEAR(self->acc_hist);
     Py_CLEAR(self->drf_hist);
     Py_CLEAR(self->buckets);
+    Py_CLEAR(self->counts);
+    Py_CLEAR(self->rate_sum);
+    Py_CLEAR(self->trackers);
+    for (int i = 0; i < N_FIELDS; i++)
+        Py_CLEAR(self->fields[i]);
     return 0;
 }
 
@@ -733,7 +1034,7 @@ Scanner_get_released(Scanner *self, void *closure)
 static PyObject *
 Scanner_get_check_stale(Scanner *self, void *closure)
 {
-    return PyBool_FromLong(self->check_stale);
+    return PyBool_FromLong(self->check_stale > 0);
 }
 
 static int
@@ -746,32 +1047,16 @@ Scanner_set_check_stale(Scanner *self, PyObject *value, void *closure)
     return 0;
 }
 
-static PyObject *
-Scanner_row_counts(Scanner *self, PyObject *args)
-{
-    Py_ssize_t row;
-    if (!PyArg_ParseTuple(args, "n", &row))
-        return NULL;
-    if (row < 0 || row >= PyList_GET_SIZE(self->owners)) {
-        PyErr_SetString(PyExc_IndexError, "row_counts: no such row");
-        return NULL;
-    }
-    return Py_BuildValue("(LL)", self->drf[row], self->acc[row]);
-}
-
 static PyMethodDef Scanner_methods[] = {
-    {"scan", (PyCFunction)Scanner_scan, METH_VARARGS, scan_doc},
-    {"release", (PyCFunction)(void (*)(void))Scanner_release, METH_VARARGS | METH_KEYWORDS,
-     release_doc},
-    {"add", (PyCFunction)Scanner_add, METH_VARARGS,
-     "add(row, drafted, accepted): correct one row's tally"},
+    {"step", (PyCFunction)(void (*)(void))Scanner_step, METH_FASTCALL, step_doc},
+    {"release", (PyCFunction)(void (*)(void))Scanner_release, METH_FASTCALL, release_doc},
     {"add_spilled", (PyCFunction)Scanner_add_spilled, METH_VARARGS,
      "add_spilled(req_id, drafted, accepted): add to a request's tally outside the rows"},
-    {"row_counts", (PyCFunction)Scanner_row_counts, METH_VARARGS,
-     "row_counts(row) -> (drafted, accepted)"},
+    {"drop_missing", (PyCFunction)Scanner_drop_missing, METH_O,
+     "drop_missing(requests): forget tallies outside the rows of requests not in it"},
     {"clear", (PyCFunction)Scanner_clear, METH_NOARGS, "forget every tally"},
     {"invalidate", (PyCFunction)Scanner_invalidate, METH_NOARGS,
-     "the last step did not go through scan()"},
+     "the last step did not go through step()"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -789,7 +1074,7 @@ static PyGetSetDef Scanner_getset[] = {
 static PyTypeObject ScannerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "otel_specdec._rowscan.Scanner",
-    .tp_doc = PyDoc_STR("Per-row tallies of one scheduler, and its common step in one pass."),
+    .tp_doc = PyDoc_STR("Per-row tallies of one scheduler, and its common step in one call."),
     .tp_basicsize = sizeof(Scanner),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
@@ -802,7 +1087,7 @@ static PyTypeObject ScannerType = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_rowscan", "The accounting's common step in one C pass.", -1,
+    PyModuleDef_HEAD_INIT, "_rowscan", "The accounting's common step in one C call.", -1,
     NULL,
 };
 
@@ -810,7 +1095,8 @@ PyMODINIT_FUNC
 PyInit__rowscan(void)
 {
     stale_attr = PyUnicode_InternFromString("num_stale_output_tokens");
-    if (stale_attr == NULL || PyType_Ready(&ScannerType) < 0)
+    minus_one = PyLong_FromLong(-1);
+    if (stale_attr == NULL || minus_one == NULL || PyType_Ready(&ScannerType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)

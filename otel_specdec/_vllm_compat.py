@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from otel_specdec._instruments import (
     ATTR_METHOD,
@@ -45,8 +45,39 @@ SCHEDULER_CLASS = "Scheduler"
 REQUIRED_METHODS = ("__init__", "update_from_output")
 OPTIONAL_METHODS = ("finish_requests", "shutdown")
 
-_SCHEDULER_OUTPUT_FIELDS = ("scheduled_spec_decode_tokens", "num_scheduled_tokens")
-_MODEL_RUNNER_OUTPUT_FIELDS = ("sampled_token_ids", "req_id_to_index")
+# vLLM's set of requests freed since the last schedule: on the scheduler it
+# fills as requests are freed; ``schedule()`` hands it to the step's
+# ``SchedulerOutput`` (same attribute name) and starts a new one.
+FINISHED_IDS_ATTR = "finished_req_ids"
+
+
+class StepFields(NamedTuple):
+    """Where one step's inputs are: the attribute names the accounting reads.
+
+    The C pass (``_rowscan.Scanner.step``) takes them in this order, and
+    ``step_inputs`` reads the same names. A missing optional field is
+    treated as empty; a missing required one sends the step to the exact
+    path, which ``check_scheduler`` has vetted.
+    """
+
+    # On SchedulerOutput.
+    spec_tokens: str = "scheduled_spec_decode_tokens"
+    num_scheduled: str = "num_scheduled_tokens"
+    invalid_spec_tokens: str = "num_invalid_spec_tokens"  # optional (vLLM ~0.9+)
+    finished_ids: str = FINISHED_IDS_ATTR  # optional
+    # On ModelRunnerOutput.
+    sampled: str = "sampled_token_ids"
+    row_of: str = "req_id_to_index"
+    rows: str = "req_ids"  # optional: without the row order the exact path is used
+    kv_output: str = "kv_connector_output"  # optional
+    # On its KVConnectorOutput: requests whose external KV load failed.
+    kv_failed: str = "failed_recving"  # optional
+
+
+STEP_FIELDS = StepFields()
+
+_SCHEDULER_OUTPUT_FIELDS = (STEP_FIELDS.spec_tokens, STEP_FIELDS.num_scheduled)
+_MODEL_RUNNER_OUTPUT_FIELDS = (STEP_FIELDS.sampled, STEP_FIELDS.row_of)
 
 
 @dataclass(frozen=True)
@@ -192,33 +223,25 @@ def step_inputs(
 ) -> tuple[Any, Any, Any, Any, Any, Any, Any, Any]:
     """The arguments of ``StepAccountant.observe_step`` for one call.
 
-    Runs every step, so each field is read here, not through a helper (each
-    call costs about a microsecond inside the engine's step). Grammar-
-    invalidated draft counts are absent before vLLM ~0.9. Requests whose
-    external KV load failed are skipped, as vLLM does; vLLM also skips
+    Grammar-invalidated draft counts are absent before vLLM ~0.9. Requests
+    whose external KV load failed are skipped, as vLLM does; vLLM also skips
     requests hit by invalid KV blocks, which needs the scheduler's block
     tables to tell, so those rare steps may count requests vLLM skipped
     (documented limitation).
     """
-    kv_output = getattr(model_runner_output, "kv_connector_output", None)
-    failed = getattr(kv_output, "failed_recving", None) if kv_output else None
+    f = STEP_FIELDS
+    kv_output = getattr(model_runner_output, f.kv_output, None)
+    failed = getattr(kv_output, f.kv_failed, None) if kv_output else None
     return (
-        scheduler_output.scheduled_spec_decode_tokens,
-        scheduler_output.num_scheduled_tokens,
-        model_runner_output.sampled_token_ids,
-        model_runner_output.req_id_to_index,
-        getattr(scheduler_output, "num_invalid_spec_tokens", None),
+        getattr(scheduler_output, f.spec_tokens),
+        getattr(scheduler_output, f.num_scheduled),
+        getattr(model_runner_output, f.sampled),
+        getattr(model_runner_output, f.row_of),
+        getattr(scheduler_output, f.invalid_spec_tokens, None),
         set(failed) if failed else None,
-        # Without the row order the exact path is used.
-        getattr(model_runner_output, "req_ids", None),
-        getattr(scheduler_output, FINISHED_IDS_ATTR, None),
+        getattr(model_runner_output, f.rows, None),
+        getattr(scheduler_output, f.finished_ids, None),
     )
-
-
-# vLLM's set of requests freed since the last schedule: on the scheduler it
-# fills as requests are freed; ``schedule()`` hands it to the step's
-# ``SchedulerOutput`` (same attribute name) and starts a new one.
-FINISHED_IDS_ATTR = "finished_req_ids"
 
 
 def finished_request_ids(obj: Any) -> Any:
