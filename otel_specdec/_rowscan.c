@@ -708,11 +708,11 @@ scan_rows(Scanner *self, StepInputs *in, PyObject *freed, Pass *p)
 PyDoc_STRVAR(step_doc,
 "step(scheduler_output, model_runner_output, freed) -> True, None or a tuple\n\n"
 "Account one step, before the host's update: reads the step's inputs\n"
-"(the fields named at construction), adds each verified draft to the\n"
-"totals' histograms and to its row's tally, counts padding and empty\n"
-"proposals, and releases the step's finished_req_ids. freed: the\n"
-"scheduler's own set of requests freed since the step's schedule (None or\n"
-"a collection); they are released first and skipped, as vLLM skips them.\n\n"
+"(the fields named at construction), releases the step's finished_req_ids,\n"
+"then adds each verified draft to the totals' histograms and to its row's\n"
+"tally and counts padding and empty proposals. freed: the scheduler's own\n"
+"set of requests freed since the step's schedule (None or a collection);\n"
+"they are released first and skipped, as vLLM skips them.\n\n"
 "None: declined (an unusual step: another layout, grammar-invalidated\n"
 "drafts, failed KV loads, stale output after a preemption); nothing was\n"
 "changed and the exact path must take the step. True: done. A tuple\n"
@@ -749,10 +749,15 @@ Scanner_step(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
             goto decline;
     }
 
-    /* From here the step is taken. Requests freed since the schedule first
-     * (their rows are found by search: the index is this step's). */
+    /* From here the step is taken. Finished requests first: those freed
+     * since the schedule, and the step's own set (already released by the
+     * hook after the previous update, unless freed where no hook saw it).
+     * Their rows are found by search: the index is this step's. */
     Py_CLEAR(self->row_of);
     if (freed != NULL && release_ids(self, freed, &rates) < 0)
+        goto done;
+    if (in.finished != NULL && in.finished != Py_None &&
+        release_ids(self, in.finished, &rates) < 0)
         goto done;
     Py_INCREF(in.row_of);
     Py_XSETREF(self->row_of, in.row_of);
@@ -773,9 +778,6 @@ Scanner_step(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
         bump(self->counts, COUNT_EMPTY, p.empty) < 0)
         goto done;
     self->prev_valid = 1;
-    if (in.finished != NULL && in.finished != Py_None &&
-        release_ids(self, in.finished, &rates) < 0)
-        goto done;
     if (add_rates(self, &rates) < 0)
         goto done;
     if (p.suspects == NULL && p.overflow == NULL)

@@ -253,14 +253,23 @@ def test_common_attributes_and_no_request_data(harness, reader):
     assert scopes == {"otel_specdec": __version__}
 
 
-@pytest.mark.parametrize("row_order", ["persistent", "schedule", "shuffled"])
+@pytest.mark.parametrize(
+    ("row_order", "sweep_every"),
+    [("persistent", None), ("schedule", None), ("shuffled", None), ("persistent", 3)],
+)
 def test_per_request_rates_match_vllm_under_churn(tiny_model, reader, accounting_path,
-                                                  row_order):
+                                                  row_order, sweep_every, monkeypatch):
     # Requests arrive and finish throughout, so batch rows change owner; the
     # per-request rates equal vLLM's own per-request counts, whatever the
-    # model runner's row layout.
+    # model runner's row layout. With sweep_every, the periodic sweep of
+    # tallies left by vanished requests (every 4096 steps in service) runs
+    # every few steps: it must keep every live request's tally.
     import random
 
+    from otel_specdec import _accounting
+
+    if sweep_every is not None:
+        monkeypatch.setattr(_accounting, "_SWEEP_EVERY_STEPS", sweep_every)
 
     harness = SchedulerHarness(
         build_scheduler(tiny_model, K, per_request_metrics=True), row_order=row_order
