@@ -16,13 +16,19 @@ step's requests (``Scheduler.make_spec_decoding_stats`` per request, as its
 loop calls it when stats logging is on, plus ``SpecDecodingProm.observe``,
 its Prometheus side). Reported: medians per step; "added" is the median of
 the per-step differences (the same step of both streams); each configuration
-runs ``--rounds`` times on fresh schedulers and the medians across rounds are
-printed, with each round's added %. ``--control`` runs both schedulers
-without the plugin: its "added" is the measurement's own noise floor.
+runs ``--rounds`` times on fresh schedulers (which of the two is built first
+alternates by round) and the medians across rounds are printed, with each
+round's added %. ``--control`` runs both schedulers without the plugin: its
+"added" is the measurement's own noise floor.
 
-    .venv/bin/python bench/step_cost.py [--batches 1,64,256,1024] [--ks 1,4,8] [--steps 200]
-                                        [--rounds 3] [--tracing] [--control]
-                                        [--pure-python]
+``--own-time`` also times the plugin's own calls inside the hook (its C
+step and its release after the update, through thin timing wrappers that
+add a little to "added"): the part of "added" that is the plugin's code
+itself, measured directly rather than as a difference of two noisy times.
+
+    .venv/bin/python bench/step_cost.py [--batches 1,64,256,1024] [--ks 1,4,8] [--steps 300]
+                                        [--rounds 5] [--tracing] [--control]
+                                        [--pure-python] [--own-time]
 
 ``--tracing`` turns request spans on (``OTEL_SPECDEC_TRACES=true``, spans
 built on the plugin's worker thread and handed to an exporter that drops
@@ -123,18 +129,50 @@ class _Stream:
         self.step_no += 1
 
 
-def measure(model_dir: str, batch: int, k: int, steps: int,
-            control: bool = False) -> dict[str, float]:
+def _time_own_calls(scheduler: Any, own_t: list[float]) -> None:
+    """Time the plugin's own calls in the hook: its C step and its release."""
+    from otel_specdec._patch import _ACCOUNTANT_ATTR
+
+    accountant = scheduler.__dict__[_ACCOUNTANT_ATTR][1]
+    calls = [accountant.step_fast, accountant.release_fast]
+    pending = [0.0]
+
+    def timed(i: int) -> Any:
+        call = calls[i]
+        if call is None:
+            return None
+
+        def run(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                pending[0] += time.perf_counter() - t0
+                if i == 1:  # the release ends the step
+                    own_t.append(pending[0])
+                    pending[0] = 0.0
+        return run
+
+    accountant.step_fast, accountant.release_fast = timed(0), timed(1)
+
+
+def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = False,
+            plugin_first: bool = True, own_time: bool = False) -> dict[str, float]:
     """Two schedulers fed identical streams: one with the plugin, one without.
 
     Each step both run the same step of their own stream; which one runs
     first alternates (ABBA), so both see the same machine noise. The plain
     scheduler runs vLLM's unwrapped ``update_from_output``, so its time holds
-    none of the plugin's work.
+    none of the plugin's work. ``plugin_first``: the plugin's scheduler is
+    built first (the caller alternates it, so that neither side keeps the
+    better memory layout).
     """
     seed = batch * 100 + k
-    with_plugin = _Stream(model_dir, batch, k, seed)
-    plain = _Stream(model_dir, batch, k, seed)
+    first, second = _Stream(model_dir, batch, k, seed), _Stream(model_dir, batch, k, seed)
+    with_plugin, plain = (first, second) if plugin_first else (second, first)
+    own_t: list[float] = []
+    if own_time and not control:
+        _time_own_calls(with_plugin.scheduler, own_t)
     cls = type(plain.scheduler)
     original_update = cls.update_from_output.__wrapped__
     prom = _prometheus_side(plain.scheduler)
@@ -181,6 +219,7 @@ def measure(model_dir: str, batch: int, k: int, steps: int,
         # of each pair cancels what varies from step to step.
         "added": statistics.median(w - p for w, p in zip(wrapped_t, plain_t, strict=True)),
         "anchor": statistics.median(anchor_t),
+        "own": statistics.median(own_t[3:]) if own_t[3:] else float("nan"),
     }
 
 
@@ -204,14 +243,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="1,64,256,1024")
     parser.add_argument("--ks", default="1,4,8")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5,
                         help="fresh schedulers per configuration; medians across rounds")
     parser.add_argument("--tracing", action="store_true", help="request spans on")
     parser.add_argument("--control", action="store_true",
                         help="both schedulers without the plugin: the noise floor")
     parser.add_argument("--pure-python", action="store_true",
                         help="the plugin without its C accelerator (as where it was not built)")
+    parser.add_argument("--own-time", action="store_true",
+                        help="also time the plugin's own calls inside the hook")
     args = parser.parse_args()
 
     import logging
@@ -238,14 +279,17 @@ def main() -> None:
           "added % per round")
     for batch in [int(b) for b in args.batches.split(",")]:
         for k in [int(x) for x in args.ks.split(",")]:
-            rounds = [measure(model_dir, batch, k, args.steps, args.control)
-                      for _ in range(args.rounds)]
+            rounds = [measure(model_dir, batch, k, args.steps, args.control,
+                              plugin_first=i % 2 == 0, own_time=args.own_time)
+                      for i in range(args.rounds)]
             r = {key: statistics.median(x[key] for x in rounds) for key in rounds[0]}
             added = r["added"]
             per_round = " ".join(f"{100 * x['added'] / x['plain']:.1f}" for x in rounds)
             print(f"{batch:>6} {k:>3} {r['plain'] * 1e6:>13.1f} {r['wrapped'] * 1e6:>15.1f} "
                   f"{added * 1e6:>9.1f} {100 * added / r['plain']:>7.1f}% "
-                  f"{r['anchor'] * 1e6:>14.1f} {added / r['anchor']:>11.2f}  {per_round}",
+                  f"{r['anchor'] * 1e6:>14.1f} {added / r['anchor']:>11.2f}  {per_round}"
+                  + (f"  | own {r['own'] * 1e6:.1f} µs = {100 * r['own'] / r['plain']:.1f}%"
+                     if args.own_time else ""),
                   flush=True)
 
 

@@ -1,7 +1,8 @@
 """Speculative-decoding accounting, identical to vLLM's own, on plain data.
 
-This is the hot path: ``StepAccountant.observe_step`` runs inside the
-engine's ``Scheduler.update_from_output`` for every step. It makes no
+This is the hot path: ``StepAccountant.step_fast`` (the C pass, where the
+optional accelerator was built) or ``StepAccountant.observe_step`` runs
+inside the engine's ``Scheduler.update_from_output`` for every step. It makes no
 OpenTelemetry call and allocates nothing per request that outlives the
 step except the per-request tally. Everything OpenTelemetry needs is derived
 at collection time from two histograms of small integers:

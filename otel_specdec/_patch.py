@@ -76,9 +76,11 @@ def _attach(scheduler: Any) -> StepAccountant | None:
         if runtime is not None:
             accountant = runtime.accountant_for(scheduler, info)
             scheduler.__dict__[_RUNTIME_ATTR] = runtime
-            if _vllm_compat.finished_request_ids(scheduler) is None:
+            if accountant is not None and _vllm_compat.finished_request_ids(scheduler) is None:
                 _logger.warning("otel_specdec: this vLLM's scheduler has no finished_req_ids; "
                                 "per-request acceptance rates are not recorded")
+                # The C step tells requests freed mid-step by that set.
+                accountant.step_fast = None
     scheduler.__dict__[_ACCOUNTANT_ATTR] = (_runtime.generation(), accountant)
     return accountant
 

@@ -3,12 +3,14 @@
 Patch target: ``vllm.v1.core.sched.scheduler.Scheduler`` (vLLM V1). The
 plugin reads, and never writes:
 
-* ``SchedulerOutput.scheduled_spec_decode_tokens`` (req_id -> draft ids),
-  ``.num_scheduled_tokens`` and, where present, ``.num_invalid_spec_tokens``
-  (grammar-invalidated drafts, added in later 0.x releases);
-* ``ModelRunnerOutput.sampled_token_ids`` and ``.req_id_to_index``;
-* ``Scheduler.requests``, ``.num_sampled_tokens_per_step`` (1 where absent),
-  ``.vllm_config``.
+* each step's inputs, named in ``STEP_FIELDS`` (the C pass reads the same
+  names): ``SchedulerOutput.scheduled_spec_decode_tokens`` (req_id -> draft
+  ids), ``.num_scheduled_tokens``, ``.finished_req_ids`` and, where present,
+  ``.num_invalid_spec_tokens`` (grammar-invalidated drafts, added in later
+  0.x releases); ``ModelRunnerOutput.sampled_token_ids``,
+  ``.req_id_to_index``, ``.req_ids`` and ``.kv_connector_output``;
+* ``Scheduler.requests``, ``.finished_req_ids``,
+  ``.num_sampled_tokens_per_step`` (1 where absent), ``.vllm_config``.
 
 When vLLM renames any of these, ``check_scheduler`` reports it and the
 plugin stays inactive with one warning instead of miscounting.

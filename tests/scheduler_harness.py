@@ -45,8 +45,12 @@ class VllmSpecStats:
 def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: bool = True,
                     max_num_seqs: int = 1024, method: str = "ngram",
                     per_request_metrics: bool = False, async_scheduling: bool = False,
-                    served_model_name: str | None = None) -> Any:
-    """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``async_scheduling``)."""
+                    served_model_name: str | None = None, num_blocks: int = 200_000) -> Any:
+    """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``async_scheduling``).
+
+    ``num_blocks``: KV-cache blocks of 16 tokens; few of them make vLLM
+    preempt running requests.
+    """
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -67,10 +71,10 @@ def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: b
         max_num_batched_tokens=max(8192, max_num_seqs * (num_speculative_tokens + 1) * 2),
     )
     vllm_config = args.create_engine_config()
-    vllm_config.cache_config.num_gpu_blocks = 200_000
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
     kv_config = KVCacheConfig(
-        num_blocks=200_000, kv_cache_tensors=[],
+        num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], kv_spec)],
     )
     scheduler_cls = AsyncScheduler if async_scheduling else Scheduler

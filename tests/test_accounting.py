@@ -355,3 +355,51 @@ def test_async_scheduling_steps_in_flight_with_aborts(tiny_model, reader, accoun
     point = histogram(data, REQ_RATE)
     assert point.count == len(rates) == len(ids)
     assert point.sum == pytest.approx(sum(rates))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preempted_requests_match_vllm(tiny_model, reader, accounting_path, async_scheduling):
+    # A KV cache too small for the batch: vLLM preempts running requests and
+    # resumes them later. With a step in flight (async scheduling) a
+    # preempted request's in-flight output is stale, and vLLM drops it.
+    import collections
+
+    harness = SchedulerHarness(build_scheduler(
+        tiny_model, K, async_scheduling=async_scheduling, per_request_metrics=True,
+        num_blocks=24,
+    ))
+    preempted = []
+    scheduler = harness.scheduler
+    original = type(scheduler)._preempt_request
+
+    def spy(self, request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return original(self, request, *args, **kwargs)
+
+    scheduler._preempt_request = spy.__get__(scheduler)
+    ids = harness.add_requests(16, prompt_len=8, max_tokens=60)
+    depth = 2 if async_scheduling else 1
+    in_flight: collections.deque = collections.deque()
+    stale_steps = 0
+    for step in range(400):
+        if not scheduler.requests and not in_flight:
+            break
+        so = harness.schedule()
+        in_flight.append((so, harness.model_output(so, lambda r, d, s=step: (s + len(r)) % 4)))
+        if len(in_flight) == depth:
+            done, output = in_flight.popleft()
+            stale_steps += any(r.num_stale_output_tokens for r in scheduler.requests.values())
+            harness.update(done, output)
+            harness.propose(done, full_proposal)
+    while in_flight:
+        harness.update(*in_flight.popleft())
+    assert not scheduler.requests
+    assert len(preempted) >= 3
+    if async_scheduling:
+        assert stale_steps > 0  # the case this test is for
+    data = reader.get_metrics_data()
+    assert_matches_vllm(harness, data)
+    rates = [a / d for d, a in harness.vllm_per_request.values() if d]
+    point = histogram(data, REQ_RATE)
+    assert point.count == len(rates) == len(ids)
+    assert point.sum == pytest.approx(sum(rates))
