@@ -165,18 +165,15 @@ class SpecDecodeTotals:
                 hist.extend([0] * (size - len(hist)))
 
     def observe_request(self, drafted: int, accepted: int) -> None:
+        """One finished request's acceptance rate (the C pass does the same in C)."""
         rate = accepted / drafted
         self.rate_buckets[bisect.bisect_left(REQUEST_RATE_BOUNDS, rate)] += 1
-        self.add_rates(rate, rate, rate)
-
-    def add_rates(self, rate_sum: float, low: float, high: float) -> None:
-        """Add rates already counted in ``rate_buckets``: their sum, min and max."""
-        self.rate_sum_cell[0] += rate_sum
+        self.rate_sum_cell[0] += rate
         for tracker in self.rate_trackers.values():
-            if low < tracker[0]:
-                tracker[0] = low
-            if high > tracker[1]:
-                tracker[1] = high
+            if rate < tracker[0]:
+                tracker[0] = rate
+            if rate > tracker[1]:
+                tracker[1] = rate
 
     def record_exemplar(self, rate: float, time_ns: int, trace_id: int, span_id: int) -> None:
         """Link ``rate``'s bucket to the request span that produced it."""
