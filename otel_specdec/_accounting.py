@@ -42,7 +42,13 @@ from typing import Any, NamedTuple, Protocol
 from otel_specdec._instruments import REQUEST_RATE_BOUNDS
 from otel_specdec._request_details import RequestDetails, tail_sums
 from otel_specdec._row_tallies import RowTallies
-from otel_specdec._vllm_compat import STEP_FIELDS
+from otel_specdec._vllm_compat import (
+    CURRENT_RULES,
+    STEP_FIELDS,
+    AccountingRules,
+    StepFields,
+    is_decoding,
+)
 
 try:
     from otel_specdec._rowscan import Scanner as NATIVE_SCANNER
@@ -64,7 +70,6 @@ _PRUNE_FREED_EVERY_STEPS = 8
 
 _LAST = itemgetter(-1)
 _IS_ONE = (1).__eq__
-_STALE_TOKENS = attrgetter("num_stale_output_tokens")
 _STATUS = attrgetter("status")
 _NUM_OUTPUT_TOKENS = attrgetter("num_output_tokens")
 
@@ -72,9 +77,11 @@ _NUM_OUTPUT_TOKENS = attrgetter("num_output_tokens")
 class _Gone:
     """Stands in for a request no longer in the scheduler."""
 
-    num_stale_output_tokens = 0
     num_output_tokens = 0
     status = 1 << 30  # above every status: counts as finished
+
+    def __getattr__(self, name: str) -> int:
+        return 0  # a stale-output count of this release's, under its own name
 
 
 _GONE = _Gone()
@@ -213,6 +220,7 @@ class StepAccountant:
 
     __slots__ = (
         "totals",
+        "fields",
         "vectorise_from",
         "step_fast",
         "release_fast",
@@ -223,6 +231,9 @@ class StepAccountant:
         "_track_padding",
         "_stale_possible",
         "_check_stale",
+        "_stale_tokens",
+        "_stale_drop_flag",
+        "_skip_finished",
         "_finished_above",
         "_freed",
         "_freed_keep_steps",
@@ -242,8 +253,13 @@ class StepAccountant:
         steps_in_flight: int = 1,
         finished_above: int | None = None,
         spans: RequestSpanSink | None = None,
+        fields: StepFields = STEP_FIELDS,
+        rules: AccountingRules = CURRENT_RULES,
     ) -> None:
         self.totals = totals
+        # The running vLLM's step fields (None: absent) and counting rules.
+        self.fields = fields
+        self._skip_finished = rules.skips_finished
         # Batches smaller than this take the exact path (the vectorised
         # path's fixed cost per step outweighs the loop there).
         self.vectorise_from = VECTORISE_FROM_BATCH
@@ -257,9 +273,13 @@ class StepAccountant:
         self._scanner: Any = None
         self._tallies: Any = RowTallies(totals.num_speculative_tokens)
         if NATIVE_SCANNER is not None and type(requests) is dict:
+            # A release that counts finished requests still in the table
+            # (rules.skips_finished false) needs each row looked up there,
+            # as with steps in flight, rather than told by the freed set.
             self._scanner = self._tallies = NATIVE_SCANNER(
-                totals, requests, REQUEST_RATE_BOUNDS, tuple(STEP_FIELDS), track_padding,
-                steps_in_flight > 0, self._freed_keep_steps, _SWEEP_EVERY_STEPS,
+                totals, requests, REQUEST_RATE_BOUNDS, fields._asdict(), track_padding,
+                steps_in_flight > 0 or not rules.skips_finished, self._freed_keep_steps,
+                _SWEEP_EVERY_STEPS,
             )
         self._num_sampled = num_sampled_per_step
         # Under async scheduling every scheduled draft is a -1 placeholder,
@@ -267,7 +287,9 @@ class StepAccountant:
         self._track_padding = track_padding
         # Stale output exists only where a step can be in flight when a
         # request is preempted (async scheduling, pipeline parallelism).
-        self._stale_possible = steps_in_flight > 0
+        self._stale_tokens = fields.stale_tokens
+        self._stale_drop_flag = rules.stale_drop_flag
+        self._stale_possible = steps_in_flight > 0 and self._stale_tokens is not None
         self._check_stale: bool | None = None
         # Statuses above this are finished (see _vllm_compat); None: ask the request.
         self._finished_above = finished_above
@@ -301,7 +323,7 @@ class StepAccountant:
         totals = self.totals
         if suspects:
             requests = self._requests
-            empty = sum(1 for req_id in suspects if _is_decoding(requests.get(req_id)))
+            empty = sum(1 for req_id in suspects if is_decoding(requests.get(req_id)))
             if empty:
                 totals.step_counts[EMPTY_PROPOSALS] += empty
         for accepted, drafted in overflow or ():
@@ -327,11 +349,11 @@ class StepAccountant:
         self._step += 1
         scanner = self._scanner
         if self._check_stale is None and self._requests:
-            self._check_stale = hasattr(
-                next(iter(self._requests.values())), "num_stale_output_tokens"
+            self._check_stale = self._stale_possible and hasattr(
+                next(iter(self._requests.values())), self._stale_tokens
             )
             if scanner is not None:
-                scanner.check_stale = self._stale_possible and self._check_stale
+                scanner.check_stale = self._check_stale
         skip = set(skip_ids) if skip_ids else None
         empty = None
         vectorise = (
@@ -386,7 +408,10 @@ class StepAccountant:
         add_tally = self._tallies.add_spilled
         num_sampled = self._num_sampled
         track_padding = self._track_padding
-        finished_above = self._finished_above
+        finished_above = self._finished_above if self._skip_finished else None
+        skip_finished = self._skip_finished
+        stale_tokens = self._stale_tokens
+        stale_drop_flag = self._stale_drop_flag
         details = self._details
         now_ns = time.time_ns() if details is not None else 0
         padding = 0
@@ -397,19 +422,19 @@ class StepAccountant:
             request = requests.get(req_id)
             if request is None:
                 continue
-            if finished_above is None:
-                if request.is_finished():
+            if finished_above is not None:
+                if request.status > finished_above:
                     continue
-            elif request.status > finished_above:
+            elif skip_finished and request.is_finished():
                 continue
             if skip is not None and req_id in skip:
                 continue
             if (
                 check_stale
-                and request.num_stale_output_tokens > 0
-                and request.drop_stale_output
+                and getattr(request, stale_tokens) > 0
+                and (stale_drop_flag is None or getattr(request, stale_drop_flag))
             ):
-                continue
+                continue  # in-flight output vLLM drops
             generated = sampled_token_ids[req_id_to_index[req_id]] if sampled_token_ids else ()
             if not generated and num_sampled:
                 continue
@@ -459,8 +484,8 @@ class StepAccountant:
         ):
             return None  # outputs not in row order: not a layout this path knows
         requests = self._requests
-        if self._stale_possible and self._check_stale and any(
-            map(_STALE_TOKENS, map(requests.get, spec_tokens, repeat(_GONE)))
+        if self._check_stale and any(
+            map(attrgetter(self._stale_tokens), map(requests.get, spec_tokens, repeat(_GONE)))
         ):
             return None  # a preempted request's in-flight output: rare, exact path
         if self._freed:
@@ -556,7 +581,7 @@ class StepAccountant:
             if row in unverified:  # no output, or a request vLLM skips
                 empty -= 1
                 continue
-            if not _is_decoding(requests.get(rows[row])):
+            if not is_decoding(requests.get(rows[row])):
                 empty -= 1
         return empty
 
@@ -623,7 +648,7 @@ class StepAccountant:
                 return len(candidates)  # all decoding, all verified one token
         empty = 0
         for request, num_generated in zip(found, generated, strict=True):
-            if num_generated and request is not _GONE and _is_decoding(request):
+            if num_generated and request is not _GONE and is_decoding(request):
                 empty += 1
         return empty
 
@@ -686,11 +711,6 @@ class StepAccountant:
         self._prev_sampled = None
         if self._details is not None:
             self._details.clear()
-
-
-def _is_decoding(request: Any) -> bool:
-    """A live, unfinished request that has output from earlier steps."""
-    return request is not None and not request.is_finished() and bool(request.num_output_tokens)
 
 
 def _indices(values: list[int], value: int) -> Iterator[int]:

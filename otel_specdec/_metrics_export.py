@@ -5,10 +5,10 @@ reader collects. Histograms cannot be fed pre-aggregated bucket counts
 through the OpenTelemetry API (``Histogram.record`` takes one value, and one
 call per draft would cost seconds of CPU per minute at production batch
 sizes), so their data points are built here from the bucket counts and added
-to each collection of the meter provider's readers, by wrapping each
-reader's ``_receive_metrics`` (the hook every SDK reader implements). Their
-cost per collection depends on the number of series, not on the number of
-drafts recorded.
+to each collection of the meter provider's readers, by hooking each
+reader's ``_receive_metrics`` (the hook every SDK reader implements; see
+``_sdk_compat``). Their cost per collection depends on the number of
+series, not on the number of drafts recorded.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import Exemplar
-from opentelemetry.sdk.metrics import Histogram as SdkHistogram
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
     HistogramDataPoint,
@@ -38,6 +37,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from otel_specdec import _instruments as names
+from otel_specdec import _sdk_compat
 from otel_specdec._accounting import SpecDecodeTotals, TotalsSnapshot
 from otel_specdec.version import __version__
 
@@ -227,19 +227,6 @@ def _length_point(
     return _histogram_point(entry.attributes, bounds, counts, total, low, high, start_ns, now_ns)
 
 
-def _histogram_temporality(reader: MetricReader) -> AggregationTemporality:
-    """The temporality ``reader`` uses for histograms.
-
-    The SDK keys its table by its private instrument classes (subclasses of
-    the public ``Histogram``), whatever class the preference named.
-    """
-    table = getattr(reader, "_instrument_class_temporality", {})
-    for cls, temporality in table.items():
-        if isinstance(cls, type) and issubclass(cls, SdkHistogram):
-            return temporality
-    return AggregationTemporality.CUMULATIVE
-
-
 class _ReaderState:
     """What one reader saw at its previous collection (for delta temporality)."""
 
@@ -249,10 +236,6 @@ class _ReaderState:
         self.temporality = temporality
         self.last_ns = start_ns
         self.last: dict[int, TotalsSnapshot] = {}
-
-
-# Marks our reader hook, so a later runtime replaces it rather than chaining.
-_ORIGINAL_ATTR = "_otel_specdec_original"
 
 
 class HistogramInjector:
@@ -278,9 +261,12 @@ class HistogramInjector:
     def attach(self, reader: MetricReader) -> None:
         if id(reader) in self._readers:
             return
-        original = reader._receive_metrics
-        original = getattr(original, _ORIGINAL_ATTR, original)
-        temporality = _histogram_temporality(reader)
+        # The reader's own method, beneath a hook of an earlier runtime
+        # (which this one replaces rather than chains).
+        original = _sdk_compat.receive_metrics_of(reader)
+        if original is None:
+            return
+        temporality = _sdk_compat.histogram_temporality(reader)
         state = _ReaderState(temporality, time.time_ns())
         self._registry.add_rate_tracker(id(state))
         pid = os.getpid()
@@ -299,14 +285,12 @@ class HistogramInjector:
                 metrics_data = self._rewrite_safely(metrics_data, state)
             return original(metrics_data, timeout_millis=timeout_millis, **kwargs)
 
-        setattr(receive_metrics, _ORIGINAL_ATTR, original)
-        reader._receive_metrics = receive_metrics  # type: ignore[method-assign]
+        _sdk_compat.hook_receive_metrics(reader, receive_metrics, original)
         self._readers[id(reader)] = reader
 
     def detach_all(self) -> None:
         for reader in self._readers.values():
-            # Drop the instance attribute: the class's method shows through.
-            reader.__dict__.pop("_receive_metrics", None)
+            _sdk_compat.unhook_receive_metrics(reader)
         self._readers.clear()
 
     def _rewrite_safely(self, metrics_data: MetricsData, state: _ReaderState) -> MetricsData:

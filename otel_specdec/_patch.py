@@ -77,9 +77,8 @@ def _attach(scheduler: Any) -> StepAccountant | None:
             accountant = runtime.accountant_for(scheduler, info)
             scheduler.__dict__[_RUNTIME_ATTR] = runtime
             if accountant is not None and _vllm_compat.finished_request_ids(scheduler) is None:
-                _logger.warning("otel_specdec: this vLLM's scheduler has no finished_req_ids; "
-                                "per-request acceptance rates are not recorded")
-                # The C step tells requests freed mid-step by that set.
+                # The C step tells requests freed mid-step by that set
+                # (check_scheduler warned of its absence).
                 accountant.step_fast = None
     scheduler.__dict__[_ACCOUNTANT_ATTR] = (_runtime.generation(), accountant)
     return accountant
@@ -163,9 +162,9 @@ def _update_hook(original: Callable[..., Any]) -> Callable[..., Any]:
                 if done is None:  # declined, or no C pass: the Python paths
                     if freed:
                         accountant.release(freed)
-                    accountant.observe_step(
-                        *_vllm_compat.step_inputs(scheduler_output, model_runner_output)
-                    )
+                    accountant.observe_step(*_vllm_compat.step_inputs(
+                        scheduler_output, model_runner_output, accountant.fields
+                    ))
                 elif done is not True:
                     accountant.finish_fast_step(done)
         except Exception:

@@ -17,6 +17,7 @@ from typing import Any
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from prometheus_client import CollectorRegistry, start_http_server
 
+from otel_specdec import _sdk_compat
 from otel_specdec._settings import ConfigError
 
 __all__ = ["ServedPrometheusReader"]
@@ -27,11 +28,13 @@ class ServedPrometheusReader(PrometheusMetricReader):  # type: ignore[misc]
 
     def __init__(self, host: str, port: int) -> None:
         registry = CollectorRegistry(auto_describe=True)
-        super().__init__(registry=registry)
+        # super().__init__(registry=registry), on exporters without that argument too.
+        _sdk_compat.init_prometheus_reader(self, registry)
+        self._served_registry = registry
         try:
             served = start_http_server(port, addr=host, registry=registry)
         except OSError as exc:
-            super().shutdown()
+            _sdk_compat.shutdown_prometheus_reader(self, registry, 30_000)
             raise ConfigError(
                 "OTEL_EXPORTER_PROMETHEUS_PORT", str(port),
                 f"a free port on {host} ({exc.strerror or exc})",
@@ -41,7 +44,9 @@ class ServedPrometheusReader(PrometheusMetricReader):  # type: ignore[misc]
         self.address = (host, port)
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        super().shutdown(timeout_millis=timeout_millis, **kwargs)
+        _sdk_compat.shutdown_prometheus_reader(
+            self, self._served_registry, timeout_millis, **kwargs
+        )
         server, self._server = self._server, None
         if server is not None:
             server.shutdown()

@@ -25,7 +25,7 @@ from opentelemetry.sdk.resources import Resource
 from otel_specdec._instruments import RES_DP_RANK
 from otel_specdec._settings import ExportSettings, env_value
 
-__all__ = ["build_meter_provider", "existing_sdk_provider", "readers_of", "resource_of"]
+__all__ = ["build_meter_provider", "existing_sdk_provider"]
 
 _logger = logging.getLogger(__name__)
 
@@ -130,17 +130,3 @@ def existing_sdk_provider() -> MeterProvider | None:
     """The global provider if it is an SDK one (not the API's no-op/proxy)."""
     provider = metrics.get_meter_provider()
     return provider if isinstance(provider, MeterProvider) else None
-
-
-def readers_of(provider: MeterProvider) -> list[MetricReader]:
-    """The readers of an SDK provider (not public API: SDK >= 1.4x keeps them
-    on the provider, earlier releases in its configuration)."""
-    readers = getattr(provider, "_metric_readers", None)
-    if readers is None:
-        readers = getattr(getattr(provider, "_sdk_config", None), "metric_readers", None)
-    return [r for r in readers or () if isinstance(r, MetricReader)]
-
-
-def resource_of(provider: MeterProvider) -> Resource:
-    config = getattr(provider, "_sdk_config", None)
-    return getattr(config, "resource", None) or Resource.get_empty()

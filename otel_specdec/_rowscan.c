@@ -27,17 +27,23 @@
  * larger ones are returned one by one for Python to add. */
 #define HIST_SIZE 64
 #define MAX_BOUNDS 64
-/* Where the step's inputs are: names handed over by _vllm_compat. */
+/* Where the step's inputs are: attribute names handed over by _vllm_compat
+ * (its STEP_FIELDS, as a dict keyed by these roles; None: the running vLLM
+ * has no such field). */
 enum {
     F_SPEC, F_SCHEDULED, F_INVALID, F_FINISHED, /* on the SchedulerOutput */
     F_SAMPLED, F_ROW_OF, F_ROWS, F_KV,          /* on the ModelRunnerOutput */
     F_KV_FAILED,                                /* on its KV connector output */
+    F_STALE,                                    /* on a Request */
     N_FIELDS
+};
+static const char *const field_roles[N_FIELDS] = {
+    "spec_tokens", "num_scheduled", "invalid_spec_tokens", "finished_ids",
+    "sampled", "row_of", "rows", "kv_output", "kv_failed", "stale_tokens",
 };
 /* SpecDecodeTotals.step_counts: [empty proposals, padding tokens]. */
 enum { COUNT_EMPTY, COUNT_PADDING };
 
-static PyObject *stale_attr; /* "num_stale_output_tokens", interned */
 /* CPython keeps one object for each small int: every -1 that the
  * interpreter, PyLong_FromLong or .tolist() makes is this one, so a -1
  * placeholder is told by its address, without reading the (cold) object. */
@@ -49,6 +55,7 @@ typedef struct {
     long long *acc;     /* per row: accepted tokens of the owner in this row */
     long long *drf;     /* per row: drafted tokens */
     unsigned char *had_output; /* per row: produced output in the previous step */
+    Py_hash_t *hashes;  /* per row: the owner's hash (-1: none), to find a row */
     Py_ssize_t cap;     /* rows allocated */
     int prev_valid;     /* the previous step went through step() */
     int track_padding;
@@ -60,7 +67,8 @@ typedef struct {
     long long step;     /* step() calls that took their step */
     long long keep_steps; /* steps a released id is remembered */
     long long sweep_every; /* steps between sweeps of spilled tallies */
-    PyObject *row_of;   /* the current step's batch index (dict), or NULL */
+    PyObject *row_of;   /* the current step's batch index (dict), or NULL (none,
+                         * or a vLLM whose output has no index: search) */
     PyObject *acc_hist; /* totals: drafts per accepted-prefix length (list) */
     PyObject *drf_hist; /* totals: drafts per drafted length (list) */
     PyObject *buckets;  /* totals: finished requests per rate bucket (list) */
@@ -181,6 +189,10 @@ reassign(Scanner *self, Py_ssize_t i, PyObject *new_owner)
         return -1;
     self->acc[i] = 0;
     self->drf[i] = 0;
+    Py_hash_t hash = new_owner == Py_None ? -1 : PyObject_Hash(new_owner);
+    if (hash == -1 && PyErr_Occurred())
+        return -1;
+    self->hashes[i] = hash;
     Py_INCREF(new_owner);
     PyList_SetItem(self->owners, i, new_owner); /* drops the old owner */
     return 0;
@@ -205,6 +217,10 @@ fit(Scanner *self, Py_ssize_t n)
         if (out == NULL)
             goto nomem;
         self->had_output = out;
+        Py_hash_t *hashes = PyMem_Realloc(self->hashes, cap * sizeof(Py_hash_t));
+        if (hashes == NULL)
+            goto nomem;
+        self->hashes = hashes;
         self->cap = cap;
     }
     for (Py_ssize_t i = m; i < n; i++) {
@@ -213,6 +229,7 @@ fit(Scanner *self, Py_ssize_t n)
         self->acc[i] = 0;
         self->drf[i] = 0;
         self->had_output[i] = 0;
+        self->hashes[i] = -1;
     }
     if (n < m) {
         for (Py_ssize_t i = n; i < m; i++)
@@ -284,7 +301,7 @@ any_stale(Scanner *self, PyObject *rows, PyObject *spec)
                 return -1;
             continue;
         }
-        PyObject *stale = PyObject_GetAttr(request, stale_attr);
+        PyObject *stale = PyObject_GetAttr(request, self->fields[F_STALE]);
         if (stale == NULL)
             return -1;
         int truth = PyObject_IsTrue(stale);
@@ -309,7 +326,7 @@ learn_check_stale(Scanner *self)
     }
     if (!PyDict_Next(self->requests, &pos, &key, &request))
         return 0; /* no request yet: ask again next step */
-    PyObject *stale = field(request, stale_attr);
+    PyObject *stale = field(request, self->fields[F_STALE]);
     if (stale == NULL && PyErr_Occurred())
         return -1;
     self->check_stale = stale != NULL;
@@ -407,7 +424,8 @@ add_rates(Scanner *self, const Rates *rates)
     return 0;
 }
 
-/* The row req_id owns: where row_of says, else (no index) a search; -1: none. */
+/* The row req_id owns: where row_of says, else (no index) a search of the
+ * owners' hashes; -1: none. */
 static int
 find_row(Scanner *self, PyObject *req_id, Py_ssize_t *row)
 {
@@ -430,7 +448,13 @@ find_row(Scanner *self, PyObject *req_id, Py_ssize_t *row)
         }
         return 0;
     }
+    Py_hash_t hash = PyObject_Hash(req_id);
+    if (hash == -1)
+        return PyErr_Occurred() ? -1 : 0;
+    const Py_hash_t *hashes = self->hashes;
     for (Py_ssize_t i = 0; i < rows; i++) {
+        if (hashes[i] != hash)
+            continue;
         int same = same_owner(PyList_GET_ITEM(self->owners, i), req_id);
         if (same < 0)
             return -1;
@@ -553,18 +577,23 @@ read_inputs(Scanner *self, PyObject *so, PyObject *mro, StepInputs *in)
 {
     PyObject **f = self->fields;
     if (!(in->spec = field(so, f[F_SPEC])) || !(in->scheduled = field(so, f[F_SCHEDULED])) ||
-        !(in->sampled = field(mro, f[F_SAMPLED])) || !(in->row_of = field(mro, f[F_ROW_OF])) ||
-        !(in->rows = field(mro, f[F_ROWS])))
+        !(in->sampled = field(mro, f[F_SAMPLED])) || !(in->rows = field(mro, f[F_ROWS])))
         return PyErr_Occurred() ? -1 : 0;
     if ((in->finished = field(so, f[F_FINISHED])) == NULL && PyErr_Occurred())
         return -1;
+    /* The batch index: where the output has none (vLLM 0.34+), the rows
+     * are the index (the scheduler builds it from them). */
+    if ((in->row_of = field(mro, f[F_ROW_OF])) == NULL && PyErr_Occurred())
+        return -1;
     if (!PyDict_CheckExact(in->spec) || !PyDict_CheckExact(in->scheduled) ||
-        !PyList_CheckExact(in->sampled) || !PyDict_CheckExact(in->row_of) ||
-        !PyList_CheckExact(in->rows))
+        !PyList_CheckExact(in->sampled) || !PyList_CheckExact(in->rows) ||
+        (in->row_of != NULL && !PyDict_CheckExact(in->row_of)))
         return 0;
     Py_ssize_t n = PyList_GET_SIZE(in->rows);
     if (n == 0 || PyList_GET_SIZE(in->sampled) != n)
         return 0;
+    if (in->row_of == NULL)
+        goto in_row_order;
     /* Outputs in row order: the index agrees at both ends. */
     PyObject *first = PyDict_GetItemWithError(in->row_of, PyList_GET_ITEM(in->rows, 0));
     PyObject *last = first ? PyDict_GetItemWithError(in->row_of, PyList_GET_ITEM(in->rows, n - 1))
@@ -573,6 +602,7 @@ read_inputs(Scanner *self, PyObject *so, PyObject *mro, StepInputs *in)
         return PyErr_Occurred() ? -1 : 0;
     if (PyLong_AsSsize_t(first) != 0 || PyLong_AsSsize_t(last) != n - 1)
         return PyErr_Occurred() ? -1 : 0;
+in_row_order:;
     /* Grammar-invalidated drafts: the exact path's. */
     int unusual = field_is_set(so, f[F_INVALID]);
     if (unusual != 0)
@@ -759,7 +789,7 @@ Scanner_step(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
     if (in.finished != NULL && in.finished != Py_None &&
         release_ids(self, in.finished, &rates) < 0)
         goto done;
-    Py_INCREF(in.row_of);
+    Py_XINCREF(in.row_of);
     Py_XSETREF(self->row_of, in.row_of);
     if (fit(self, PyList_GET_SIZE(in.rows)) < 0)
         goto done;
@@ -894,14 +924,14 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
     int track_padding, in_flight;
     long long keep_steps, sweep_every;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!ppLL", keywords, &totals,
-                                     &PyDict_Type, &requests, &bounds, &PyTuple_Type, &fields,
+                                     &PyDict_Type, &requests, &bounds, &PyDict_Type, &fields,
                                      &track_padding, &in_flight, &keep_steps, &sweep_every))
         return -1;
     Py_ssize_t nb = PySequence_Size(bounds);
     if (nb < 0)
         return -1;
-    if (nb > MAX_BOUNDS || PyTuple_GET_SIZE(fields) != N_FIELDS || sweep_every < 1) {
-        PyErr_SetString(PyExc_ValueError, "Scanner: bad rate bounds, fields or sweep_every");
+    if (nb > MAX_BOUNDS || sweep_every < 1) {
+        PyErr_SetString(PyExc_ValueError, "Scanner: bad rate bounds or sweep_every");
         return -1;
     }
     for (Py_ssize_t b = 0; b < nb; b++) {
@@ -914,13 +944,30 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
             return -1;
     }
     self->nb = nb;
+    /* Each role by its name: a field this file does not know, or one it
+     * needs and is not given, is an error (the two lists have drifted). */
+    if (PyDict_GET_SIZE(fields) != N_FIELDS) {
+        PyErr_Format(PyExc_ValueError, "Scanner: %d fields expected, got %zd", N_FIELDS,
+                     PyDict_GET_SIZE(fields));
+        return -1;
+    }
     for (int i = 0; i < N_FIELDS; i++) {
-        PyObject *name = PyTuple_GET_ITEM(fields, i);
-        if (!PyUnicode_CheckExact(name)) {
-            PyErr_SetString(PyExc_TypeError, "Scanner: field names must be str");
+        PyObject *name = PyDict_GetItemString(fields, field_roles[i]);
+        if (name == NULL) {
+            PyErr_Format(PyExc_ValueError, "Scanner: no field for role %s", field_roles[i]);
             return -1;
         }
-        Py_INCREF(name);
+        if (name == Py_None) { /* absent in this vLLM: a name no object has */
+            name = PyUnicode_FromString("<absent>");
+            if (name == NULL)
+                return -1;
+        } else if (!PyUnicode_CheckExact(name)) {
+            PyErr_Format(PyExc_TypeError, "Scanner: field %s must be str or None",
+                         field_roles[i]);
+            return -1;
+        } else {
+            Py_INCREF(name);
+        }
         PyUnicode_InternInPlace(&name);
         Py_XSETREF(self->fields[i], name);
     }
@@ -1012,6 +1059,7 @@ Scanner_dealloc(Scanner *self)
     PyMem_Free(self->acc);
     PyMem_Free(self->drf);
     PyMem_Free(self->had_output);
+    PyMem_Free(self->hashes);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1096,9 +1144,8 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__rowscan(void)
 {
-    stale_attr = PyUnicode_InternFromString("num_stale_output_tokens");
     minus_one = PyLong_FromLong(-1);
-    if (stale_attr == NULL || minus_one == NULL || PyType_Ready(&ScannerType) < 0)
+    if (minus_one == NULL || PyType_Ready(&ScannerType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)

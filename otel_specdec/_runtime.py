@@ -18,7 +18,7 @@ from typing import Any
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 
-from otel_specdec import _provider, _tracing, _vllm_compat
+from otel_specdec import _provider, _sdk_compat, _tracing, _vllm_compat
 from otel_specdec._accounting import StepAccountant
 from otel_specdec._instruments import RES_DP_RANK
 from otel_specdec._metrics_export import HistogramInjector, TotalsRegistry, bind_counters
@@ -51,10 +51,11 @@ class Runtime:
         self._lock = threading.Lock()
         guard = bind_counters(provider, self.registry)
         identity = {"service.instance.id": str(uuid.uuid4()), RES_DP_RANK: data_parallel_rank}
+        resource = _sdk_compat.provider_resource(provider)
         self.injector = HistogramInjector(
-            self.registry, _provider.resource_of(provider), guard, identity, self.owns_provider
+            self.registry, resource, guard, identity, self.owns_provider
         )
-        readers = _provider.readers_of(provider)
+        readers = _sdk_compat.metric_readers(provider)
         if not readers:
             _logger.warning(
                 "otel_specdec: the MeterProvider has no readers the plugin can see; "
@@ -62,7 +63,6 @@ class Runtime:
             )
         for reader in readers:
             self.injector.attach(reader)
-        resource = _provider.resource_of(provider)
         missing = {k: v for k, v in identity.items() if k not in resource.attributes}
         self.spans = _tracing.build_emitter(resource.merge(Resource(missing)))
 
@@ -74,6 +74,7 @@ class Runtime:
         return _FOREIGN_FLUSH_BUDGET_MS
 
     def accountant_for(self, scheduler: Any, info: EngineInfo) -> StepAccountant:
+        layout = _vllm_compat.host_layout()
         totals = self.registry.totals_for(info.attributes, info.num_speculative_tokens)
         with self._lock:
             self._live_engines += 1
@@ -85,6 +86,8 @@ class Runtime:
             steps_in_flight=info.steps_in_flight,
             finished_above=_vllm_compat.finished_status_threshold(),
             spans=self.spans,
+            fields=layout.fields,
+            rules=layout.rules,
         )
 
     def engine_stopped(self) -> None:

@@ -44,17 +44,11 @@ _VLLM_DEFAULT_GRACE_S = 5.0
 _patched: type | None = None
 
 
-def _vllm_config_of(args: Any, kwargs: Any) -> Any:
-    if "vllm_config" in kwargs:
-        return kwargs["vllm_config"]
-    # (local_engine_count, start_index, local_start_index, vllm_config, ...)
-    return args[3] if len(args) > 3 else None
-
-
 def _init_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     grace = None
     try:
-        if _vllm_compat.speculates(_vllm_config_of(args, kwargs)):
+        vllm_config = _vllm_compat.process_manager_vllm_config(wrapped, args, kwargs)
+        if _vllm_compat.speculates(vllm_config):
             grace = _settings.final_export_budget_s() + _TEARDOWN_MARGIN_S
             if _tracing.enabled(report=False):
                 grace += _tracing.export_timeout_s()

@@ -1,25 +1,27 @@
 """Everything that depends on vLLM's internals, in one place.
 
 Patch target: ``vllm.v1.core.sched.scheduler.Scheduler`` (vLLM V1). The
-plugin reads, and never writes:
+plugin reads, and never writes, what ``HOST_FIELDS`` lists: each step's
+inputs (``SchedulerOutput``, ``ModelRunnerOutput``, ``KVConnectorOutput``),
+the scheduler's own state, and a few ``Request`` fields. The C pass reads
+the step's inputs by the names in ``StepFields``, handed over by role.
 
-* each step's inputs, named in ``STEP_FIELDS`` (the C pass reads the same
-  names): ``SchedulerOutput.scheduled_spec_decode_tokens`` (req_id -> draft
-  ids), ``.num_scheduled_tokens``, ``.finished_req_ids`` and, where present,
-  ``.num_invalid_spec_tokens`` (grammar-invalidated drafts, added in later
-  0.x releases); ``ModelRunnerOutput.sampled_token_ids``,
-  ``.req_id_to_index``, ``.req_ids`` and ``.kv_connector_output``;
-* ``Scheduler.requests``, ``.finished_req_ids``,
-  ``.num_sampled_tokens_per_step`` (1 where absent), ``.vllm_config``.
-
-When vLLM renames any of these, ``check_scheduler`` reports it and the
-plugin stays inactive with one warning instead of miscounting.
+Support is decided by structure, not by version: ``check_scheduler`` looks
+for every field and method the plugin reads. A missing required one gives
+one warning naming it, and the plugin stays inactive; a missing optional
+one is a feature that release lacks (``None`` in the resolved
+``StepFields``), and the accounting does what that release does without
+it. Where releases count differently with the same fields, the difference
+is in ``AccountingRules``, the one place that reads vLLM's version.
+``docs/compatibility.md`` lists the releases and their differences.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,10 +33,26 @@ from otel_specdec._instruments import (
 )
 
 __all__ = [
+    "CURRENT_RULES",
+    "FINISHED_IDS_ATTR",
+    "HOST_FIELDS",
+    "PROCESS_MANAGER_CLASS",
     "SCHEDULER_MODULE",
+    "AccountingRules",
     "EngineInfo",
+    "HostLayout",
+    "StepFields",
     "check_scheduler",
+    "data_parallel_rank",
     "engine_info",
+    "finished_request_ids",
+    "finished_status_threshold",
+    "has_method",
+    "host_layout",
+    "process_manager_class",
+    "process_manager_vllm_config",
+    "request_trace_context",
+    "speculates",
     "step_inputs",
 ]
 
@@ -56,30 +74,101 @@ FINISHED_IDS_ATTR = "finished_req_ids"
 class StepFields(NamedTuple):
     """Where one step's inputs are: the attribute names the accounting reads.
 
-    The C pass (``_rowscan.Scanner.step``) takes them in this order, and
-    ``step_inputs`` reads the same names. A missing optional field is
-    treated as empty; a missing required one sends the step to the exact
-    path, which ``check_scheduler`` has vetted.
+    ``None`` (in ``host_layout().fields``): the running vLLM has no such
+    field. The C pass (``_rowscan.Scanner``) takes them as a dict keyed by
+    these role names, and ``step_inputs`` reads the same names.
     """
 
     # On SchedulerOutput.
-    spec_tokens: str = "scheduled_spec_decode_tokens"
-    num_scheduled: str = "num_scheduled_tokens"
-    invalid_spec_tokens: str = "num_invalid_spec_tokens"  # optional (vLLM ~0.9+)
-    finished_ids: str = FINISHED_IDS_ATTR  # optional
+    spec_tokens: str | None = "scheduled_spec_decode_tokens"
+    num_scheduled: str | None = "num_scheduled_tokens"
+    invalid_spec_tokens: str | None = "num_invalid_spec_tokens"  # optional
+    finished_ids: str | None = FINISHED_IDS_ATTR  # optional
     # On ModelRunnerOutput.
-    sampled: str = "sampled_token_ids"
-    row_of: str = "req_id_to_index"
-    rows: str = "req_ids"  # optional: without the row order the exact path is used
-    kv_output: str = "kv_connector_output"  # optional
+    sampled: str | None = "sampled_token_ids"
+    row_of: str | None = "req_id_to_index"  # optional: gone in 0.34 (rows are the index)
+    rows: str | None = "req_ids"
+    kv_output: str | None = "kv_connector_output"  # optional
     # On its KVConnectorOutput: requests whose external KV load failed.
-    kv_failed: str = "failed_recving"  # optional
+    kv_failed: str | None = "failed_recving"  # optional
+    # On Request: output of a step in flight when the request was preempted.
+    stale_tokens: str | None = "num_stale_output_tokens"  # optional
 
 
 STEP_FIELDS = StepFields()
 
-_SCHEDULER_OUTPUT_FIELDS = (STEP_FIELDS.spec_tokens, STEP_FIELDS.num_scheduled)
-_MODEL_RUNNER_OUTPUT_FIELDS = (STEP_FIELDS.sampled, STEP_FIELDS.row_of)
+# Every field and method the plugin reads: (owner, name, required). Owners
+# are import paths; "Request" fields are instance attributes set in its
+# __init__ or properties and methods.
+_OUTPUT = "vllm.v1.core.sched.output.SchedulerOutput"
+_RUNNER = "vllm.v1.outputs.ModelRunnerOutput"
+_KV = "vllm.v1.outputs.KVConnectorOutput"
+_REQUEST = "vllm.v1.request.Request"
+_SCHEDULER = f"{SCHEDULER_MODULE}.{SCHEDULER_CLASS}"
+HOST_FIELDS: tuple[tuple[str, str, bool], ...] = (
+    (_OUTPUT, STEP_FIELDS.spec_tokens, True),
+    (_OUTPUT, STEP_FIELDS.num_scheduled, True),
+    (_OUTPUT, STEP_FIELDS.invalid_spec_tokens, False),
+    (_OUTPUT, STEP_FIELDS.finished_ids, False),
+    (_RUNNER, STEP_FIELDS.sampled, True),
+    (_RUNNER, STEP_FIELDS.rows, True),
+    (_RUNNER, STEP_FIELDS.row_of, False),
+    (_RUNNER, STEP_FIELDS.kv_output, False),
+    (_KV, STEP_FIELDS.kv_failed, False),
+    (_SCHEDULER, "requests", True),
+    (_SCHEDULER, "vllm_config", True),
+    (_SCHEDULER, FINISHED_IDS_ATTR, False),
+    (_SCHEDULER, "num_sampled_tokens_per_step", False),
+    (_REQUEST, "request_id", True),
+    (_REQUEST, "status", True),
+    (_REQUEST, "is_finished", True),
+    (_REQUEST, "num_output_tokens", True),
+    (_REQUEST, STEP_FIELDS.stale_tokens, False),
+    (_REQUEST, "drop_stale_output", False),
+    (_REQUEST, "trace_headers", False),
+    (_REQUEST, "get_finished_reason", False),
+)
+# Optional fields whose absence turns a feature off, and what the user loses.
+_OPTIONAL_EFFECTS = {
+    FINISHED_IDS_ATTR: "per-request acceptance rates are not recorded",
+}
+
+
+@dataclass(frozen=True)
+class AccountingRules:
+    """How this vLLM release counts, where releases differ with the same fields.
+
+    ``skips_finished``: vLLM's loop skips a request that is finished but
+    still in the scheduler's table (a KV-connector request whose blocks are
+    freed later); before 0.16 only requests gone from the table were skipped.
+
+    ``stale_drop_flag``: the ``Request`` flag that, with a nonzero
+    ``StepFields.stale_tokens``, makes vLLM drop a request's in-flight
+    output (0.27+: ``drop_stale_output``); None where the count alone does
+    (0.25-0.26 skip drafts while ``async_tokens_to_discard`` is nonzero).
+    """
+
+    skips_finished: bool = True
+    stale_drop_flag: str | None = "drop_stale_output"
+
+
+# The rules of the newest releases.
+CURRENT_RULES = AccountingRules()
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """What the running vLLM offers the plugin, resolved once per process."""
+
+    scheduler_cls: type
+    fields: StepFields
+    rules: AccountingRules
+    version: str
+
+    @property
+    def fields_by_role(self) -> dict[str, str | None]:
+        """The step fields keyed by role, as the C pass takes them."""
+        return self.fields._asdict()
 
 
 @dataclass(frozen=True)
@@ -107,6 +196,7 @@ class EngineInfo:
 
 
 def _field_names(cls: type) -> set[str]:
+    """Declared fields (dataclass, msgspec struct or annotations) of ``cls``."""
     if dataclasses.is_dataclass(cls):
         return {f.name for f in dataclasses.fields(cls)}
     names: set[str] = set()
@@ -116,40 +206,128 @@ def _field_names(cls: type) -> set[str]:
     return names
 
 
+def _assigned_in_init(cls: type) -> set[str]:
+    """Attribute names ``cls.__init__`` (and its bases') assign or read."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = inspect.unwrap(klass.__dict__.get("__init__", object.__init__))
+        code = getattr(init, "__code__", None)
+        if code is not None:
+            names.update(code.co_names)
+    return names
+
+
+def _has_field(cls: type, name: str) -> bool:
+    return (
+        name in _field_names(cls)
+        or hasattr(cls, name)
+        or name in _assigned_in_init(cls)
+    )
+
+
 def has_method(cls: type, name: str) -> bool:
     """``cls`` implements ``name`` (an abstract one of its interface does not count)."""
     method = getattr(cls, name, None)
     return callable(method) and not getattr(method, "__isabstractmethod__", False)
 
 
-def check_scheduler() -> tuple[type | None, str | None]:
-    """Import the scheduler class and check the fields the plugin reads.
+def _import(path: str) -> Any:
+    import importlib
 
-    Returns ``(Scheduler, None)`` when supported, else ``(None, reason)``.
-    """
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _vllm_version() -> str:
     try:
-        from vllm.v1.core.sched import scheduler as scheduler_module
-        from vllm.v1.core.sched.output import SchedulerOutput
-        from vllm.v1.outputs import ModelRunnerOutput
+        import vllm
+
+        return str(getattr(vllm, "__version__", "") or "")
+    except Exception:
+        return ""
+
+
+def _release(version: str) -> tuple[int, int]:
+    numbers = re.findall(r"\d+", version)
+    return (int(numbers[0]), int(numbers[1])) if len(numbers) >= 2 else (10**6, 0)
+
+
+# 0.25-0.26 skip the drafts of a request whose in-flight tokens are to be
+# discarded (after a prefix-cache reset under async scheduling); the field
+# exists from 0.22, but earlier releases count those drafts.
+_DISCARD_TOKENS = "async_tokens_to_discard"
+_DISCARD_RULE = ((0, 25), (0, 27))
+
+
+def _resolve(version: str, absent: set[str], request_cls: Any) -> tuple[StepFields,
+                                                                      AccountingRules]:
+    """The step fields and counting rules of the running release.
+
+    The rules that no field tells apart are read from the version (compared
+    by minor release; a version that cannot be read counts as a newer
+    release, whose rules are the current ones): see docs/compatibility.md.
+    """
+    release = _release(version)
+    fields = StepFields(**{
+        role: None if name in absent else name
+        for role, name in STEP_FIELDS._asdict().items()
+    })
+    drop_flag: str | None = "drop_stale_output"
+    if fields.stale_tokens is None or drop_flag in absent:
+        fields, drop_flag = fields._replace(stale_tokens=None), None
+        if (_DISCARD_RULE[0] <= release < _DISCARD_RULE[1]
+                and _has_field(request_cls, _DISCARD_TOKENS)):
+            fields = fields._replace(stale_tokens=_DISCARD_TOKENS)
+    rules = AccountingRules(skips_finished=release >= (0, 16), stale_drop_flag=drop_flag)
+    return fields, rules
+
+
+_layout: HostLayout | None = None
+
+
+def check_scheduler() -> tuple[type | None, str | None]:
+    """Import the scheduler class and check every field the plugin reads.
+
+    Returns ``(Scheduler, None)`` when supported, else ``(None, reason)``
+    naming what is missing. On success the resolved layout is kept for
+    ``host_layout``.
+    """
+    global _layout
+    try:
+        scheduler_cls = _import(_SCHEDULER)
     except Exception as exc:  # ImportError, or vLLM failing to import at all
         return None, f"vLLM V1 scheduler not importable ({type(exc).__name__}: {exc})"
-    scheduler_cls = getattr(scheduler_module, SCHEDULER_CLASS, None)
-    if scheduler_cls is None:
-        return None, f"{SCHEDULER_MODULE} has no {SCHEDULER_CLASS}"
     missing = [m for m in REQUIRED_METHODS if not has_method(scheduler_cls, m)]
-    missing += [
-        f"SchedulerOutput.{f}"
-        for f in _SCHEDULER_OUTPUT_FIELDS
-        if f not in _field_names(SchedulerOutput)
-    ]
-    missing += [
-        f"ModelRunnerOutput.{f}"
-        for f in _MODEL_RUNNER_OUTPUT_FIELDS
-        if f not in _field_names(ModelRunnerOutput)
-    ]
+    absent: set[str] = set()
+    for owner, name, required in HOST_FIELDS:
+        try:
+            cls = _import(owner)
+        except Exception:
+            cls = None
+        if cls is None or not _has_field(cls, name):
+            if required:
+                missing.append(f"{owner.rpartition('.')[2]}.{name}")
+            else:
+                absent.add(name)
     if missing:
         return None, "vLLM's scheduler lacks " + ", ".join(missing)
+    version = _vllm_version()
+    fields, rules = _resolve(version, absent, _import(_REQUEST))
+    _layout = HostLayout(scheduler_cls, fields, rules, version)
+    for name, effect in _OPTIONAL_EFFECTS.items():
+        if name in absent:
+            _logger.warning("otel_specdec: this vLLM has no %s; %s", name, effect)
     return scheduler_cls, None
+
+
+def host_layout() -> HostLayout:
+    """The layout ``check_scheduler`` resolved (resolving it if needed)."""
+    if _layout is None:
+        scheduler_cls, reason = check_scheduler()
+        if scheduler_cls is None:
+            raise RuntimeError(reason)
+    assert _layout is not None
+    return _layout
 
 
 def _served_model_name(model_config: Any) -> str:
@@ -220,35 +398,55 @@ def finished_status_threshold() -> int | None:
     return None
 
 
+def is_decoding(request: Any) -> bool:
+    """A live, unfinished request that has output from earlier steps."""
+    return request is not None and not request.is_finished() and bool(request.num_output_tokens)
+
+
 def step_inputs(
-    scheduler_output: Any, model_runner_output: Any
+    scheduler_output: Any, model_runner_output: Any, fields: StepFields
 ) -> tuple[Any, Any, Any, Any, Any, Any, Any, Any]:
     """The arguments of ``StepAccountant.observe_step`` for one call.
 
-    Grammar-invalidated draft counts are absent before vLLM ~0.9. Requests
-    whose external KV load failed are skipped, as vLLM does; vLLM also skips
+    ``fields``: the running vLLM's (``host_layout().fields``); an absent
+    optional field reads as empty. Without a batch index (vLLM 0.34+) the
+    row order is the index, as vLLM's scheduler builds it. Requests whose
+    external KV load failed are skipped, as vLLM does; vLLM also skips
     requests hit by invalid KV blocks, which needs the scheduler's block
     tables to tell, so those rare steps may count requests vLLM skipped
     (documented limitation).
     """
-    f = STEP_FIELDS
-    kv_output = getattr(model_runner_output, f.kv_output, None)
-    failed = getattr(kv_output, f.kv_failed, None) if kv_output else None
+    f = fields
+    kv_output = getattr(model_runner_output, f.kv_output, None) if f.kv_output else None
+    failed = getattr(kv_output, f.kv_failed, None) if kv_output and f.kv_failed else None
+    rows = getattr(model_runner_output, f.rows, None)
+    row_of = getattr(model_runner_output, f.row_of) if f.row_of else None
+    if row_of is None:
+        row_of = {req_id: i for i, req_id in enumerate(rows or ())}
     return (
         getattr(scheduler_output, f.spec_tokens),
         getattr(scheduler_output, f.num_scheduled),
         getattr(model_runner_output, f.sampled),
-        getattr(model_runner_output, f.row_of),
-        getattr(scheduler_output, f.invalid_spec_tokens, None),
+        row_of,
+        getattr(scheduler_output, f.invalid_spec_tokens, None) if f.invalid_spec_tokens else None,
         set(failed) if failed else None,
-        getattr(model_runner_output, f.rows, None),
-        getattr(scheduler_output, f.finished_ids, None),
+        rows,
+        getattr(scheduler_output, f.finished_ids, None) if f.finished_ids else None,
     )
 
 
 def finished_request_ids(obj: Any) -> Any:
     """``obj.finished_req_ids`` (a scheduler or a scheduler output), or None."""
     return getattr(obj, FINISHED_IDS_ATTR, None)
+
+
+def request_trace_context(request: Any) -> tuple[Any, Any]:
+    """(trace headers, finish reason) of a finished request, each None if absent."""
+    finished_reason = getattr(request, "get_finished_reason", None)
+    return (
+        getattr(request, "trace_headers", None),
+        finished_reason() if callable(finished_reason) else None,
+    )
 
 
 # The front end's manager of engine-core processes (API server, LLM): it
@@ -260,15 +458,30 @@ PROCESS_MANAGER_CLASS = "CoreEngineProcManager"
 def process_manager_class() -> type | None:
     """``CoreEngineProcManager`` if it has the ``shutdown(timeout)`` we extend."""
     try:
-        import importlib
-
-        module = importlib.import_module(PROCESS_MANAGER_MODULE)
+        cls = _import(f"{PROCESS_MANAGER_MODULE}.{PROCESS_MANAGER_CLASS}")
     except Exception:
         return None
-    cls = getattr(module, PROCESS_MANAGER_CLASS, None)
-    if cls is None or not has_method(cls, "shutdown") or not has_method(cls, "__init__"):
+    if not has_method(cls, "shutdown") or not has_method(cls, "__init__"):
+        return None
+    try:
+        init_params = inspect.signature(cls.__init__).parameters
+        shutdown_params = inspect.signature(cls.shutdown).parameters
+    except (TypeError, ValueError):
+        return None
+    if "vllm_config" not in init_params or "timeout" not in shutdown_params:
         return None
     return cls
+
+
+def process_manager_vllm_config(init: Any, args: Any, kwargs: Any) -> Any:
+    """The ``vllm_config`` argument of a ``CoreEngineProcManager.__init__`` call."""
+    if "vllm_config" in kwargs:
+        return kwargs["vllm_config"]
+    try:
+        bound = inspect.signature(init).bind_partial(*args, **kwargs)
+    except TypeError:
+        return None
+    return bound.arguments.get("vllm_config")
 
 
 def speculates(vllm_config: Any) -> bool:

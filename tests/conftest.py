@@ -9,6 +9,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from vllm_releases import prepare_release_host  # noqa: E402
+
+# In a child run against another vLLM release (tests/vllm_releases.py).
+prepare_release_host()
+
 # The unit tests' processes never export to a default endpoint by accident.
 os.environ.setdefault("OTEL_METRICS_EXPORTER", "none")
 

@@ -10,6 +10,7 @@ unit tests and by ``bench/``.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import random
 from collections.abc import Callable
@@ -24,6 +25,39 @@ BONUS_TOKEN = 7  # the token the fake target model emits after the accepted pref
 AcceptFn = Callable[[str, list[int]], int]
 # propose(req_id) -> draft token ids for the next step (may be empty)
 ProposeFn = Callable[[str], list[int]]
+
+
+# Required constructor arguments of some releases that others lack, with the
+# value that means "nothing": Request's multimodal inputs and eos_token_id
+# (0.10-0.15), FullAttentionSpec's use_mla (0.10).
+_RELEASE_ONLY_DEFAULTS: dict[str, Any] = {
+    "eos_token_id": None, "use_mla": False, "multi_modal_inputs": None,
+    "multi_modal_hashes": None, "multi_modal_placeholders": None,
+}
+
+
+def construct(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    """``cls(*args, **kwargs)`` on any supported vLLM release.
+
+    vLLM's constructors gain and lose parameters between releases (the
+    harness runs against each release's own scheduler, see
+    ``vllm_releases``): keyword arguments this release's ``cls`` does not
+    take are dropped, and required ones it alone has get their neutral
+    value. Each dropped argument is a feature the release lacks; the tests
+    that need one check ``has_parameter`` and say so.
+    """
+    params = inspect.signature(cls).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    for param in list(params.values())[len(args):]:
+        if (param.default is param.empty and param.name not in kwargs
+                and param.name in _RELEASE_ONLY_DEFAULTS):
+            kwargs[param.name] = _RELEASE_ONLY_DEFAULTS[param.name]
+    return cls(*args, **kwargs)
+
+
+def has_parameter(cls: Any, name: str) -> bool:
+    return name in inspect.signature(cls).parameters
 
 
 @dataclass
@@ -61,10 +95,14 @@ def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: b
     spec: dict[str, Any] = {"method": method, "num_speculative_tokens": num_speculative_tokens}
     if method == "ngram":
         spec.update(prompt_lookup_max=3, prompt_lookup_min=1)
-    args = EngineArgs(
+    args = construct(
+        EngineArgs,
         model=model_dir, speculative_config=spec, max_model_len=512, dtype="float32",
         enforce_eager=True, gpu_memory_utilization=0.15, max_num_seqs=max_num_seqs,
         enable_prefix_caching=False,
+        # The scheduler needs no tokenizer (and 0.11's tokenizer code fails
+        # against the venv's newer transformers).
+        skip_tokenizer_init=True,
         served_model_name=[served_model_name] if served_model_name else None,
         # vLLM's own per-request counts, reported with each finished request.
         per_request_spec_decode_metrics="summary" if per_request_metrics else "none",
@@ -72,13 +110,16 @@ def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: b
     )
     vllm_config = args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
-    kv_config = KVCacheConfig(
+    kv_spec = construct(FullAttentionSpec, block_size=16, num_kv_heads=1, head_size=64,
+                        dtype=torch.float32)
+    kv_config = construct(
+        KVCacheConfig,
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], kv_spec)],
     )
     scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
-    return scheduler_cls(
+    return construct(
+        scheduler_cls,
         vllm_config=vllm_config, kv_cache_config=kv_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=16, log_stats=log_stats,
@@ -115,8 +156,11 @@ class SchedulerHarness:
         for i in range(n):
             req_id = f"req-{next(self._ids)}"
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            request = Request(req_id, list(range(10, 10 + prompt_len)), params, None,
-                              trace_headers=trace_headers(i) if trace_headers else None)
+            request = construct(
+                Request, request_id=req_id, prompt_token_ids=list(range(10, 10 + prompt_len)),
+                sampling_params=params, pooling_params=None,
+                trace_headers=trace_headers(i) if trace_headers else None,
+            )
             self.scheduler.add_request(request)
             ids.append(req_id)
         return ids
@@ -138,10 +182,16 @@ class SchedulerHarness:
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
             n = accept(req_id, list(drafts)) if drafts else 0
             sampled.append(list(drafts[:n]) + [BONUS_TOKEN])
-        return ModelRunnerOutput(
+        # The batch index left ModelRunnerOutput in 0.34 (the scheduler
+        # builds it from req_ids); construct drops it there.
+        return construct(
+            ModelRunnerOutput,
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            # Required in releases before ~0.11 (no default there).
+            spec_token_ids=None, logprobs=None, prompt_logprobs_dict={},
+            pooler_output=[],
         )
 
     def _layout(self, scheduled: list[str]) -> list[str]:
@@ -193,12 +243,21 @@ class SchedulerHarness:
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
 
     def propose(self, scheduler_output: Any, propose: ProposeFn) -> None:
-        from vllm.v1.outputs import DraftTokenIds
+        from vllm.v1 import outputs
 
-        req_ids = [r for r in scheduler_output.num_scheduled_tokens if r in self.scheduler.requests]
-        self.scheduler.update_draft_token_ids(
-            DraftTokenIds(req_ids, [propose(r) for r in req_ids])
-        )
+        DraftTokenIds = getattr(outputs, "DraftTokenIds", None)  # noqa: N806
+
+        requests = self.scheduler.requests
+        req_ids = [r for r in scheduler_output.num_scheduled_tokens if r in requests]
+        drafts = [propose(r) for r in req_ids]
+        if not hasattr(self.scheduler, "update_draft_token_ids"):
+            # Releases before the drafter's own output (0.10) take drafts in
+            # ModelRunnerOutput.spec_token_ids, and their update_from_output
+            # sets them on each request it did not free, as done here.
+            for req_id, req_drafts in zip(req_ids, drafts, strict=True):
+                requests[req_id].spec_token_ids = req_drafts
+            return
+        self.scheduler.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
 
     def step(self, accept: AcceptFn, propose: ProposeFn) -> Any:
         scheduler_output = self.schedule()

