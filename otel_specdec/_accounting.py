@@ -435,11 +435,14 @@ class StepAccountant:
                 and (stale_drop_flag is None or getattr(request, stale_drop_flag))
             ):
                 continue  # in-flight output vLLM drops
-            generated = sampled_token_ids[req_id_to_index[req_id]] if sampled_token_ids else ()
-            if not generated and num_sampled:
+            # len(): vLLM 0.11 hands each row over as a numpy array.
+            num_generated = (
+                len(sampled_token_ids[req_id_to_index[req_id]]) if sampled_token_ids else 0
+            )
+            if not num_generated and num_sampled:
                 continue
             num_drafted = len(drafts)
-            num_accepted = len(generated) - num_sampled
+            num_accepted = num_generated - num_sampled
             if num_accepted < 0:
                 num_accepted = 0
             invalid = invalid_spec_tokens.get(req_id, 0) if invalid_spec_tokens else 0

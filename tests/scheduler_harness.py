@@ -60,6 +60,20 @@ def has_parameter(cls: Any, name: str) -> bool:
     return name in inspect.signature(cls).parameters
 
 
+def vllm_release() -> tuple[int, int]:
+    """The running vLLM's (major, minor), for tests of what a release offers."""
+    import vllm
+
+    major, minor = (int(n) for n in vllm.__version__.split(".")[:2])
+    return major, minor
+
+
+def has_field(cls: Any, name: str) -> bool:
+    import dataclasses
+
+    return name in {f.name for f in dataclasses.fields(cls)}
+
+
 @dataclass
 class VllmSpecStats:
     """vLLM's own counters, summed over the steps driven so far."""
@@ -137,10 +151,21 @@ class SchedulerHarness:
     """
 
     def __init__(self, scheduler: Any, row_order: str = "persistent") -> None:
+        from vllm.v1.outputs import ModelRunnerOutput
+
         self.scheduler = scheduler
         self.vllm = VllmSpecStats()
-        # req_id -> (drafted, accepted) from vLLM's per-request metrics, when on.
+        # req_id -> (drafted, accepted) from vLLM's per-request metrics, when on
+        # (vLLM 0.29+).
         self.vllm_per_request: dict[str, tuple[int, int]] = {}
+        # req_id -> (drafted, accepted) as the harness saw them verified: the
+        # per-request expectation where vLLM has no per-request metrics.
+        # check_own_counts proves it against vLLM's aggregate counters.
+        self.own_per_request: dict[str, tuple[int, int]] = {}
+        self.own = VllmSpecStats()
+        # vLLM 0.11 passes each request's sampled tokens as a numpy array.
+        annotation = str(ModelRunnerOutput.__annotations__.get("sampled_token_ids", ""))
+        self._numpy_rows = "ndarray" in annotation
         self.row_order = row_order
         self._rows: list[str | None] = []
         self._shuffle = random.Random(0)
@@ -182,6 +207,10 @@ class SchedulerHarness:
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
             n = accept(req_id, list(drafts)) if drafts else 0
             sampled.append(list(drafts[:n]) + [BONUS_TOKEN])
+        if self._numpy_rows:
+            import numpy as np
+
+            sampled = [np.array(row, dtype=np.int32) for row in sampled]
         # The batch index left ModelRunnerOutput in 0.34 (the scheduler
         # builds it from req_ids); construct drops it there.
         return construct(
@@ -217,6 +246,7 @@ class SchedulerHarness:
         return list(rows)
 
     def update(self, scheduler_output: Any, model_output: Any) -> Any:
+        self._count_own(scheduler_output, model_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         for engine_outputs in outputs.values():
             stats = engine_outputs.scheduler_stats
@@ -228,6 +258,53 @@ class SchedulerHarness:
                     self.record_vllm_request(output.request_id, metrics)
         return outputs
 
+    def _count_own(self, scheduler_output: Any, model_output: Any) -> None:
+        """The step's verified drafts, per request, by vLLM's current rules.
+
+        A draft counts when its request is still unfinished in the
+        scheduler, has output this step, and its output is not stale; its
+        drafted tokens exclude grammar-invalidated ones. Older releases
+        differ in cases these tests avoid (see docs/compatibility.md);
+        ``check_own_counts`` proves the result against vLLM's own counters.
+        """
+        requests = self.scheduler.requests
+        invalid = getattr(scheduler_output, "num_invalid_spec_tokens", None) or {}
+        rows = {r: i for i, r in enumerate(model_output.req_ids)}
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            request = requests.get(req_id)
+            if not drafts or request is None or request.is_finished():
+                continue
+            if (getattr(request, "num_stale_output_tokens", 0) > 0
+                    and getattr(request, "drop_stale_output", False)):
+                continue
+            sampled = len(model_output.sampled_token_ids[rows[req_id]])
+            if not sampled:
+                continue
+            drafted, accepted = len(drafts) - invalid.get(req_id, 0), sampled - 1
+            seen = self.own_per_request.get(req_id, (0, 0))
+            self.own_per_request[req_id] = (seen[0] + drafted, seen[1] + accepted)
+            self.own.drafts += 1
+            self.own.draft_tokens += drafted
+            self.own.accepted_tokens += accepted
+
+    def check_own_counts(self) -> None:
+        """The harness's own per-request counts add up to vLLM's counters."""
+        assert (self.own.drafts, self.own.draft_tokens, self.own.accepted_tokens) == (
+            self.vllm.drafts, self.vllm.draft_tokens, self.vllm.accepted_tokens
+        )
+
+    def per_request(self) -> dict[str, tuple[int, int]]:
+        """req_id -> (drafted, accepted): vLLM's own where it reports them
+        (0.29+, with per-request metrics on), else the harness's."""
+        self.check_own_counts()
+        if self.vllm_per_request:
+            own = {r: c for r, c in self.own_per_request.items() if r in self.vllm_per_request}
+            diff = {r: (c, own.get(r)) for r, c in self.vllm_per_request.items()
+                    if own.get(r, (0, 0)) != c}
+            assert not diff, diff
+            return self.vllm_per_request
+        return self.own_per_request
+
     def record_vllm_request(self, req_id: str, metrics: Any) -> None:
         """Keep vLLM's per-request counts (``RequestSpecDecodeMetrics``)."""
         accepted = sum(j * n for j, n in enumerate(metrics.histogram))
@@ -237,7 +314,7 @@ class SchedulerHarness:
         """Abort a request, keeping vLLM's per-request counts up to now."""
         from vllm.v1.request import RequestStatus
 
-        metrics = self.scheduler.requests[req_id].spec_decode_metrics
+        metrics = getattr(self.scheduler.requests[req_id], "spec_decode_metrics", None)
         if metrics is not None:
             self.record_vllm_request(req_id, metrics)
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)

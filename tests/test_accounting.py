@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from otel_helpers import histogram, per_position, points, total
-from scheduler_harness import SchedulerHarness, build_scheduler
+from scheduler_harness import SchedulerHarness, build_scheduler, has_field, vllm_release
 
 K = 3
 DRAFTS = "vllm.spec_decode.drafts"
@@ -139,6 +139,10 @@ def test_variable_length_ngram_drafts_and_empty_proposals(harness, reader):
 
 
 def test_grammar_invalidated_drafts_are_not_drafted(harness, reader):
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    if not has_field(SchedulerOutput, "num_invalid_spec_tokens"):
+        pytest.skip("this vLLM has no grammar-invalidated drafts (added in 0.14)")
     ids = harness.add_requests(3)
     harness.step(lambda r, d: 0, full_proposal)
     invalidated = 0
@@ -204,7 +208,14 @@ def test_request_acceptance_rate_one_value_per_finished_request(harness, reader)
     assert not harness.scheduler.requests
     data = reader.get_metrics_data()
     point = histogram(data, REQ_RATE)
-    rates = [accepted[r] / K for r in ids]
+    # Per request: its accepted over its drafted tokens, as counted by the
+    # harness (and checked against vLLM's counters). Some releases (0.11)
+    # shorten the last drafts of a request near max_tokens, so the rate is
+    # not always accepted[r] / K.
+    per_request = harness.per_request()
+    rates = [per_request[r][1] / per_request[r][0] for r in ids]
+    if all(d % K == 0 for d, _ in per_request.values()):
+        assert rates == [accepted[r] / K for r in ids]
     assert point.count == len(ids)
     assert point.sum == pytest.approx(sum(rates))
     assert point.min == min(rates) and point.max == max(rates)
@@ -309,7 +320,7 @@ def test_per_request_rates_match_vllm_under_churn(tiny_model, reader, accounting
     assert_matches_vllm(harness, data)
     assert empty_expected > 50
     assert total(data, EMPTY) == empty_expected
-    rates = [a / d for d, a in harness.vllm_per_request.values() if d]
+    rates = [a / d for d, a in harness.per_request().values() if d]
     assert len(rates) > 60
     point = histogram(data, REQ_RATE)
     assert point.count == len(rates)
@@ -323,12 +334,18 @@ def test_per_request_rates_match_vllm_under_churn(tiny_model, reader, accounting
     assert list(point.bucket_counts) == expected
 
 
+def skip_without_async_speculation() -> None:
+    if vllm_release() < (0, 11):
+        pytest.skip("vLLM's AsyncScheduler speculates from 0.11 (before: a TODO)")
+
+
 def test_async_scheduling_steps_in_flight_with_aborts(tiny_model, reader, accounting_path):
     # vLLM's AsyncScheduler schedules step N+1 before step N's output arrives.
     # A request aborted meanwhile is in both steps in flight; vLLM skips it in
     # both, and so must the plugin.
     import collections
 
+    skip_without_async_speculation()
 
     harness = SchedulerHarness(
         build_scheduler(tiny_model, K, async_scheduling=True, per_request_metrics=True)
@@ -351,7 +368,7 @@ def test_async_scheduling_steps_in_flight_with_aborts(tiny_model, reader, accoun
     data = reader.get_metrics_data()
     assert harness.vllm.drafts > 100
     assert_matches_vllm(harness, data)
-    rates = [a / d for d, a in harness.vllm_per_request.values() if d]
+    rates = [a / d for d, a in harness.per_request().values() if d]
     point = histogram(data, REQ_RATE)
     assert point.count == len(rates) == len(ids)
     assert point.sum == pytest.approx(sum(rates))
@@ -364,19 +381,17 @@ def test_preempted_requests_match_vllm(tiny_model, reader, accounting_path, asyn
     # preempted request's in-flight output is stale, and vLLM drops it.
     import collections
 
+    from vllm.v1.request import RequestStatus
+
+    if async_scheduling:
+        skip_without_async_speculation()
+
     harness = SchedulerHarness(build_scheduler(
         tiny_model, K, async_scheduling=async_scheduling, per_request_metrics=True,
         num_blocks=24,
     ))
     preempted = []
     scheduler = harness.scheduler
-    original = type(scheduler)._preempt_request
-
-    def spy(self, request, *args, **kwargs):
-        preempted.append(request.request_id)
-        return original(self, request, *args, **kwargs)
-
-    scheduler._preempt_request = spy.__get__(scheduler)
     ids = harness.add_requests(16, prompt_len=8, max_tokens=60)
     depth = 2 if async_scheduling else 1
     in_flight: collections.deque = collections.deque()
@@ -385,21 +400,24 @@ def test_preempted_requests_match_vllm(tiny_model, reader, accounting_path, asyn
         if not scheduler.requests and not in_flight:
             break
         so = harness.schedule()
+        preempted += [r.request_id for r in scheduler.requests.values()
+                      if r.status == RequestStatus.PREEMPTED]
         in_flight.append((so, harness.model_output(so, lambda r, d, s=step: (s + len(r)) % 4)))
         if len(in_flight) == depth:
             done, output = in_flight.popleft()
-            stale_steps += any(r.num_stale_output_tokens for r in scheduler.requests.values())
+            stale_steps += any(getattr(r, "num_stale_output_tokens", 0)
+                               for r in scheduler.requests.values())
             harness.update(done, output)
             harness.propose(done, full_proposal)
     while in_flight:
         harness.update(*in_flight.popleft())
     assert not scheduler.requests
     assert len(preempted) >= 3
-    if async_scheduling:
-        assert stale_steps > 0  # the case this test is for
+    if async_scheduling and vllm_release() >= (0, 27):
+        assert stale_steps > 0  # the case this test is for (stale output: vLLM 0.27+)
     data = reader.get_metrics_data()
     assert_matches_vllm(harness, data)
-    rates = [a / d for d, a in harness.vllm_per_request.values() if d]
+    rates = [a / d for d, a in harness.per_request().values() if d]
     point = histogram(data, REQ_RATE)
     assert point.count == len(rates) == len(ids)
     assert point.sum == pytest.approx(sum(rates))
