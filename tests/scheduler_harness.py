@@ -82,22 +82,27 @@ class VllmSpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # Draft tokens per position: counted by vLLM from 0.24 (empty before).
+    draft_per_pos: list[int] = field(default_factory=list)
 
     def add(self, stats: Any) -> None:
         self.drafts += stats.num_drafts
         self.draft_tokens += stats.num_draft_tokens
         self.accepted_tokens += stats.num_accepted_tokens
         add_elementwise(self.accepted_per_pos, stats.num_accepted_tokens_per_pos)
+        add_elementwise(self.draft_per_pos, getattr(stats, "num_draft_tokens_per_pos", []))
 
 
 def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: bool = True,
                     max_num_seqs: int = 1024, method: str = "ngram",
                     per_request_metrics: bool = False, async_scheduling: bool = False,
-                    served_model_name: str | None = None, num_blocks: int = 200_000) -> Any:
+                    served_model_name: str | None = None, num_blocks: int = 200_000,
+                    speculative_extra: dict[str, Any] | None = None) -> Any:
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``async_scheduling``).
 
     ``num_blocks``: KV-cache blocks of 16 tokens; few of them make vLLM
-    preempt running requests.
+    preempt running requests. ``speculative_extra``: more speculative-config
+    settings (``num_speculative_tokens_per_batch_size``, for instance).
     """
     import torch
     from vllm.engine.arg_utils import EngineArgs
@@ -109,6 +114,7 @@ def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: b
     spec: dict[str, Any] = {"method": method, "num_speculative_tokens": num_speculative_tokens}
     if method == "ngram":
         spec.update(prompt_lookup_max=3, prompt_lookup_min=1)
+    spec.update(speculative_extra or {})
     args = construct(
         EngineArgs,
         model=model_dir, speculative_config=spec, max_model_len=512, dtype="float32",

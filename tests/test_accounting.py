@@ -43,6 +43,8 @@ def assert_matches_vllm(harness: SchedulerHarness, data) -> None:
     assert total(data, DRAFT_TOKENS) == vllm.draft_tokens
     assert total(data, ACCEPTED) == vllm.accepted_tokens
     assert per_position(data, ACCEPTED) == vllm.accepted_per_pos
+    if vllm.draft_per_pos:  # vLLM counts them from 0.24
+        assert per_position(data, DRAFT_TOKENS) == vllm.draft_per_pos
     length = histogram(data, LENGTH)
     assert length.count == vllm.drafts
     # Mean acceptance length includes the bonus token.
@@ -421,3 +423,43 @@ def test_preempted_requests_match_vllm(tiny_model, reader, accounting_path, asyn
     point = histogram(data, REQ_RATE)
     assert point.count == len(rates) == len(ids)
     assert point.sum == pytest.approx(sum(rates))
+
+
+def test_dynamic_speculative_decoding_k_follows_the_batch(tiny_model, reader, accounting_path):
+    # vLLM 0.24+: num_speculative_tokens_per_batch_size picks k for each step
+    # from the number of requests scheduled (at most num_speculative_tokens).
+    # Positions and acceptance-length buckets stay those of the configured
+    # maximum, as vLLM's own per-position counters do; each draft counts at
+    # the positions it had.
+    from vllm.config import SpeculativeConfig
+
+    if "num_speculative_tokens_per_batch_size" not in SpeculativeConfig.__dataclass_fields__:
+        pytest.skip("this vLLM has no dynamic speculative decoding (added in 0.24)")
+    k_max = 4
+    schedule = [(1, 3, 4), (4, 8, 2), (9, 1024, 1)]
+    harness = SchedulerHarness(build_scheduler(
+        tiny_model, k_max, speculative_extra={"num_speculative_tokens_per_batch_size": schedule},
+    ))
+    assert harness.scheduler.dynamic_sd_lookup is not None
+    import random
+
+    rng = random.Random(3)
+    draft_lengths: set[int] = set()
+    for step in range(90):
+        # Waves of arrivals: the batch grows past 8 and shrinks to 1.
+        if step % 30 == 0:
+            harness.add_requests(12, max_tokens=rng.randint(30, 60))
+        so = harness.schedule()
+        draft_lengths.update(map(len, so.scheduled_spec_decode_tokens.values()))
+        k_next = so.num_spec_tokens_to_schedule
+        harness.update(so, harness.model_output(so, lambda r, d: rng.randint(0, len(d))))
+        # The drafter proposes the k chosen for this step's batch.
+        harness.propose(so, lambda r, k=k_next: [20 + i for i in range(k)])
+    assert {1, 2, 4} <= draft_lengths  # the case this test is for
+    data = reader.get_metrics_data()
+    assert_matches_vllm(harness, data)
+    assert len(per_position(data, DRAFT_TOKENS)) == k_max
+    length = histogram(data, LENGTH)
+    assert length.explicit_bounds == tuple(float(i) for i in range(1, k_max + 2))
+    for point in points(data, DRAFT_TOKENS):
+        assert point.attributes["vllm.spec_decode.num_speculative_tokens"] == k_max
