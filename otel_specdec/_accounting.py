@@ -233,6 +233,7 @@ class StepAccountant:
         "_check_stale",
         "_stale_tokens",
         "_stale_drop_flag",
+        "_stale_of",
         "_skip_finished",
         "_finished_above",
         "_freed",
@@ -289,6 +290,8 @@ class StepAccountant:
         # request is preempted (async scheduling, pipeline parallelism).
         self._stale_tokens = fields.stale_tokens
         self._stale_drop_flag = rules.stale_drop_flag
+        # Built once: the vectorised path reads it over the batch each step.
+        self._stale_of = attrgetter(self._stale_tokens) if self._stale_tokens else None
         self._stale_possible = steps_in_flight > 0 and self._stale_tokens is not None
         self._check_stale: bool | None = None
         # Statuses above this are finished (see _vllm_compat); None: ask the request.
@@ -488,7 +491,7 @@ class StepAccountant:
             return None  # outputs not in row order: not a layout this path knows
         requests = self._requests
         if self._check_stale and any(
-            map(attrgetter(self._stale_tokens), map(requests.get, spec_tokens, repeat(_GONE)))
+            map(self._stale_of, map(requests.get, spec_tokens, repeat(_GONE)))
         ):
             return None  # a preempted request's in-flight output: rare, exact path
         if self._freed:
