@@ -72,6 +72,12 @@ class TotalsRegistry:
             for entry in self._entries.values():
                 entry.rate_trackers[key] = [float("inf"), float("-inf")]
 
+    def data_points(self) -> int:
+        """How many data points one collection of these totals exports."""
+        # Per series: drafts, empty proposals, padding and the two
+        # histograms, plus drafted and accepted tokens at each position.
+        return sum(5 + 2 * entry.num_speculative_tokens for entry in self.entries())
+
     def entries(self) -> list[SpecDecodeTotals]:
         # A forked child must not report its parent's totals.
         if os.getpid() != self.pid:

@@ -22,8 +22,9 @@ Target: ``vllm.v1.core.sched.scheduler.Scheduler`` (subclasses such as
   after an abort still exports their rates.
 * ``shutdown``: after the host's, export what the engine counted: the last
   engine of the plugin's own provider shuts it down (one final export,
-  bounded by the export timeout, well inside vLLM's grace period before it
-  kills an engine process); otherwise the provider is flushed. Engine-core
+  then spans, all within the shutdown budget, which the front end adds to
+  vLLM's grace period before it kills an engine process); otherwise the
+  provider is flushed. Engine-core
   processes started by fork end without running exit hooks, so this is
   where the last interval's counts leave the process. The front end's
   process manager gives it the time to (``_shutdown_grace``).

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import uuid
 from typing import Any
 
@@ -25,9 +27,48 @@ from opentelemetry.sdk.resources import Resource
 from otel_specdec._instruments import RES_DP_RANK
 from otel_specdec._settings import ExportSettings, env_value
 
-__all__ = ["build_meter_provider", "existing_sdk_provider"]
+__all__ = ["DeliveryRecord", "build_meter_provider", "existing_sdk_provider"]
 
 _logger = logging.getLogger(__name__)
+
+
+class DeliveryRecord:
+    """When each of the plugin's push exporters last delivered an export.
+
+    The SDK's reader drops an export's result; the shutdown needs it, to
+    say when the final export was not delivered (a reader may also end
+    "in time" by abandoning an export it had in flight).
+    """
+
+    def __init__(self) -> None:
+        self._last_success: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, exporter: Any) -> Any:
+        """``exporter``, its exports recorded (an instance attribute
+        shadows its ``export``; nothing else of it changes)."""
+        from opentelemetry.sdk.metrics.export import MetricExportResult
+
+        export = exporter.export
+        key = id(exporter)
+        with self._lock:
+            self._last_success[key] = float("-inf")
+
+        def export_and_record(*args: Any, **kwargs: Any) -> Any:
+            began = time.monotonic()
+            result = export(*args, **kwargs)
+            if result == MetricExportResult.SUCCESS:
+                with self._lock:
+                    self._last_success[key] = max(self._last_success[key], began)
+            return result
+
+        exporter.export = export_and_record
+        return exporter
+
+    def delivered_since(self, moment: float) -> bool:
+        """Every exporter delivered an export collected after ``moment``."""
+        with self._lock:
+            return all(last >= moment for last in self._last_success.values())
 
 def _otlp_exporter(settings: ExportSettings) -> Any:
     if settings.protocol == "grpc":
@@ -91,12 +132,13 @@ def build_resource(data_parallel_rank: int) -> Resource:
 
 
 def build_meter_provider(
-    settings: ExportSettings, data_parallel_rank: int
+    settings: ExportSettings, data_parallel_rank: int, delivery: DeliveryRecord
 ) -> MeterProvider | None:
     """A private provider per ``settings``; None if metrics are off.
+    ``delivery`` records what its push exporters deliver.
 
     Not shut down by the SDK's exit hook: the runtime shuts it down itself,
-    once, with the final-export budget (see ``_runtime``).
+    once, within the shutdown budget (see ``_runtime``).
     """
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
@@ -110,7 +152,7 @@ def build_meter_provider(
     try:
         readers += [
             PeriodicExportingMetricReader(
-                _exporter(name, settings),
+                delivery.watch(_exporter(name, settings)),
                 export_interval_millis=settings.interval_ms,
                 export_timeout_millis=settings.export_timeout_ms,
             )

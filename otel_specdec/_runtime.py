@@ -12,6 +12,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -20,18 +21,21 @@ from opentelemetry.sdk.resources import Resource
 
 from otel_specdec import _provider, _sdk_compat, _tracing, _vllm_compat
 from otel_specdec._accounting import StepAccountant
+from otel_specdec._bounded import Deadline, call_within
 from otel_specdec._instruments import RES_DP_RANK
 from otel_specdec._metrics_export import HistogramInjector, TotalsRegistry, bind_counters
-from otel_specdec._settings import ConfigError, ExportSettings, read_settings
+from otel_specdec._settings import (
+    SHUTDOWN_TIMEOUT_ENV,
+    ConfigError,
+    ExportSettings,
+    read_settings,
+    shutdown_budget_s,
+)
 from otel_specdec._vllm_compat import EngineInfo
 
 __all__ = ["Runtime", "configure", "current", "get_or_create", "shutdown"]
 
 _logger = logging.getLogger(__name__)
-
-# Flush budget at engine shutdown with a provider the plugin did not build
-# (its exporter's own timeout bounds the export itself).
-_FOREIGN_FLUSH_BUDGET_MS = 10_000
 
 
 class Runtime:
@@ -41,12 +45,18 @@ class Runtime:
     """
 
     def __init__(self, provider: MeterProvider, settings: ExportSettings | None,
-                 data_parallel_rank: int) -> None:
+                 data_parallel_rank: int,
+                 delivery: _provider.DeliveryRecord | None = None) -> None:
         self.provider = provider
+        # What the plugin's own exporters delivered (None: not the plugin's).
+        self.delivery = delivery
         self.settings = settings
         self.owns_provider = settings is not None
         self.registry = TotalsRegistry()
         self.closed = False
+        # What the plugin may add to a stopping engine: metrics, then spans.
+        self.shutdown_budget_s = (settings.shutdown_budget_s if settings is not None
+                                  else shutdown_budget_s())
         self._live_engines = 0
         self._lock = threading.Lock()
         guard = bind_counters(provider, self.registry)
@@ -66,13 +76,6 @@ class Runtime:
         missing = {k: v for k, v in identity.items() if k not in resource.attributes}
         self.spans = _tracing.build_emitter(resource.merge(Resource(missing)))
 
-    @property
-    def final_export_budget_ms(self) -> float:
-        """Time the last export may take at shutdown: the export timeout."""
-        if self.settings is not None:
-            return self.settings.final_export_budget_ms
-        return _FOREIGN_FLUSH_BUDGET_MS
-
     def accountant_for(self, scheduler: Any, info: EngineInfo) -> StepAccountant:
         layout = _vllm_compat.host_layout()
         totals = self.registry.totals_for(info.attributes, info.num_speculative_tokens)
@@ -91,7 +94,7 @@ class Runtime:
         )
 
     def engine_stopped(self) -> None:
-        """An engine shut down: export what it counted, within the budget.
+        """An engine shut down: export what it counted, within the shutdown budget.
 
         The last engine of the plugin's own provider shuts the provider down
         (one final export); otherwise the provider is flushed.
@@ -107,32 +110,60 @@ class Runtime:
     def flush(self) -> None:
         if self.closed:
             return
-        try:
-            self.provider.force_flush(timeout_millis=self.final_export_budget_ms)
-        except Exception:
-            _logger.warning("otel_specdec: flushing metrics failed", exc_info=True)
+        deadline = Deadline(self.shutdown_budget_s)
+        began = time.monotonic()
+        done = call_within(
+            lambda: self.provider.force_flush(timeout_millis=_millis(deadline)),
+            deadline.remaining_s(), "metrics-flush",
+        )
+        self._check_delivered(done, began, deadline, "flush")
         if self.spans is not None:
-            self.spans.flush(_tracing.export_timeout_s())
+            self.spans.flush(deadline)
 
     def close(self) -> None:
-        """Stop reporting; shut the plugin's own provider down (final export)."""
+        """Stop reporting; shut the plugin's own provider down (final export).
+
+        Everything here ends within the shutdown budget, whatever the
+        exporters' timeouts or the collector do.
+        """
         with self._lock:
             if self.closed:
                 return
             self.closed = True
+        deadline = Deadline(self.shutdown_budget_s)
         if self.owns_provider:
-            try:
-                # The reader's last collection runs in its thread, bounded by
-                # the exporter's timeout; the wait here is bounded the same.
-                self.provider.shutdown(timeout_millis=self.final_export_budget_ms)
-            except Exception:
-                _logger.warning("otel_specdec: shutting down metrics failed", exc_info=True)
+            began = time.monotonic()
+            done = call_within(
+                lambda: self.provider.shutdown(timeout_millis=_millis(deadline)),
+                deadline.remaining_s(), "metrics-shutdown",
+            )
+            self._check_delivered(done, began, deadline, "export")
         else:
             bind_counters(self.provider, None)
         self.injector.detach_all()
         # Metrics first: they are the complete record; spans are samples.
         if self.spans is not None:
-            self.spans.close(_tracing.export_timeout_s())
+            self.spans.close(deadline)
+
+    def _check_delivered(self, done: bool, began: float, deadline: Deadline, what: str) -> None:
+        """One warning when the final export did not reach the collector."""
+        if done and (self.delivery is None or self.delivery.delivered_since(began)):
+            return
+        if not done or deadline.remaining_s() <= 0.05 * deadline.budget_s:
+            cause = (f"was cut short by the shutdown budget ({SHUTDOWN_TIMEOUT_ENV}="
+                     f"{self.shutdown_budget_s:g} s)")
+        else:
+            cause = "was not accepted by the collector (see the exporter's error)"
+        _logger.warning(
+            "otel_specdec: the final metrics %s %s: the latest values of %d data points were "
+            "not delivered (what was counted since the last export that reached the "
+            "collector is lost); the engine stops without waiting longer",
+            what, cause, self.registry.data_points(),
+        )
+
+
+def _millis(deadline: Deadline) -> float:
+    return deadline.remaining_s() * 1000.0
 
 
 _lock = threading.Lock()
@@ -175,10 +206,13 @@ def get_or_create(info: EngineInfo) -> Runtime | None:
             return _runtime
         provider = _configured_provider or _provider.existing_sdk_provider()
         settings = None
+        delivery = None
         if provider is None:
             try:
                 settings = read_settings()
-                provider = _provider.build_meter_provider(settings, info.data_parallel_rank)
+                delivery = _provider.DeliveryRecord()
+                provider = _provider.build_meter_provider(
+                    settings, info.data_parallel_rank, delivery)
             except ConfigError as exc:
                 return _disable_metrics(str(exc))
             except Exception as exc:  # an exporter rejecting what the checks let through
@@ -187,7 +221,7 @@ def get_or_create(info: EngineInfo) -> Runtime | None:
                 _disabled_reason = "OTEL_METRICS_EXPORTER=none"
                 _logger.info("otel_specdec: OTEL_METRICS_EXPORTER=none, metrics are off")
                 return None
-        _runtime = Runtime(provider, settings, info.data_parallel_rank)
+        _runtime = Runtime(provider, settings, info.data_parallel_rank, delivery)
         if settings is not None:
             _register_exit_hook()
         return _runtime
@@ -210,7 +244,7 @@ def _register_exit_hook() -> None:
     """Close the runtime at interpreter exit if no engine shutdown did.
 
     Replaces the SDK's own exit hook on the plugin's provider, so that the
-    provider is shut down once, with the final-export budget.
+    provider is shut down once, within the shutdown budget.
     """
     global _exit_hook_registered
     if not _exit_hook_registered:

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 __all__ = [
-    "ConfigError", "ExportSettings", "env_flag", "env_value", "final_export_budget_s",
-    "otlp_setting", "otlp_timeout_s", "read_settings", "redact_url",
+    "SHUTDOWN_TIMEOUT_ENV", "ConfigError", "ExportSettings", "env_flag", "env_value",
+    "otlp_setting", "otlp_timeout_s", "read_settings", "redact_url", "shutdown_budget_s",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -39,6 +39,16 @@ COMPRESSIONS = ("gzip", "deflate", "none")
 
 DEFAULT_PROTOCOL = "grpc"
 DEFAULT_OTLP_TIMEOUT_S = 10.0
+# An OTLP timeout this large can only be meant in milliseconds (the
+# specification's unit): see otlp_timeout_s.
+MILLISECONDS_FROM = 1000.0
+
+# The plugin's whole shutdown (final metrics export, then spans): its own
+# bound, whatever the export timeouts say. The ceiling keeps any setting
+# within what orchestrators grant a stopping process.
+SHUTDOWN_TIMEOUT_ENV = "OTEL_SPECDEC_SHUTDOWN_TIMEOUT"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+MAX_SHUTDOWN_TIMEOUT_S = 120.0
 DEFAULT_INTERVAL_MS = 60_000.0
 DEFAULT_EXPORT_TIMEOUT_MS = 30_000.0
 DEFAULT_PROMETHEUS_HOST = "localhost"
@@ -66,15 +76,12 @@ class ExportSettings:
     otlp_timeout_s: float
     interval_ms: float
     export_timeout_ms: float
+    # Seconds the plugin's shutdown may take (final export, then spans).
+    shutdown_budget_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     # Where the engine serves /metrics with OTEL_METRICS_EXPORTER=prometheus;
     # each data-parallel rank adds its rank to the port.
     prometheus_host: str = DEFAULT_PROMETHEUS_HOST
     prometheus_port: int = DEFAULT_PROMETHEUS_PORT
-
-    @property
-    def final_export_budget_ms(self) -> float:
-        """How long the last export at shutdown may take: one export's timeout."""
-        return self.otlp_timeout_s * 1000.0
 
 
 def env_value(name: str) -> str | None:
@@ -238,19 +245,51 @@ def _positive_number(variable: str, default: float, unit: str, report: bool = Tr
 
 
 def otlp_timeout_s(signal: str = "METRICS", report: bool = True) -> float:
-    """Seconds one OTLP export of ``signal`` may take; a bad value falls
-    back to the default (with one error line when ``report``)."""
+    """Seconds one OTLP export of ``signal`` may take.
+
+    Read in seconds, as the Python SDK reads it, so that the plugin's
+    exporters agree with the others in the process; but a value of 1000 or
+    more is taken as milliseconds (the specification's unit), with one
+    warning per variable. A bad value falls back to the default (with one
+    error line when ``report``).
+    """
     setting = otlp_setting("TIMEOUT", signal)
     if setting is None:
         return DEFAULT_OTLP_TIMEOUT_S
-    variable, _ = setting
-    return _positive_number(variable, DEFAULT_OTLP_TIMEOUT_S, "seconds", report)
+    variable, raw = setting
+    value = _positive_number(variable, DEFAULT_OTLP_TIMEOUT_S, "seconds", report)
+    if value < MILLISECONDS_FROM:
+        return value
+    if report and variable not in _unit_warned:
+        _unit_warned.add(variable)
+        _logger.warning(
+            "otel_specdec: %s=%s: the OpenTelemetry specification reads this in milliseconds "
+            "(%g s), the Python SDK in seconds (%g s, %.1f h). A value of %g or more can only "
+            "be meant as milliseconds: the plugin's exporters use %g s (set %s=%g to say so "
+            "and silence this). Exporters the plugin did not build may wait %g s; the "
+            "plugin's shutdown stays bounded by %s.",
+            variable, raw, value / 1000, value, value / 3600, MILLISECONDS_FROM, value / 1000,
+            variable, value / 1000, value, SHUTDOWN_TIMEOUT_ENV,
+        )
+    return value / 1000
 
 
-def final_export_budget_s() -> float:
-    """The engine's final-export budget, as a process that does not export
-    (the API server) can tell it: no checks, no log lines."""
-    return otlp_timeout_s(report=False)
+_unit_warned: set[str] = set()
+
+
+def shutdown_budget_s(report: bool = True) -> float:
+    """Seconds the plugin may add to a stopping engine, at most
+    ``MAX_SHUTDOWN_TIMEOUT_S``; a bad value falls back to the default (with
+    one error line when ``report``)."""
+    value = _positive_number(SHUTDOWN_TIMEOUT_ENV, DEFAULT_SHUTDOWN_TIMEOUT_S, "seconds",
+                             report)
+    if value > MAX_SHUTDOWN_TIMEOUT_S:
+        if report:
+            _logger.error("otel_specdec: %s=%g is above the ceiling of %g seconds; using %g",
+                          SHUTDOWN_TIMEOUT_ENV, value, MAX_SHUTDOWN_TIMEOUT_S,
+                          MAX_SHUTDOWN_TIMEOUT_S)
+        return MAX_SHUTDOWN_TIMEOUT_S
+    return value
 
 
 def env_flag(name: str, default: bool, consequence: str, report: bool = True) -> bool:
@@ -287,6 +326,7 @@ def read_settings() -> ExportSettings:
             "OTEL_METRIC_EXPORT_INTERVAL", DEFAULT_INTERVAL_MS, "milliseconds"),
         export_timeout_ms=_positive_number(
             "OTEL_METRIC_EXPORT_TIMEOUT", DEFAULT_EXPORT_TIMEOUT_MS, "milliseconds"),
+        shutdown_budget_s=shutdown_budget_s(),
         prometheus_host=env_value("OTEL_EXPORTER_PROMETHEUS_HOST") or DEFAULT_PROMETHEUS_HOST,
         prometheus_port=_prometheus_port() if "prometheus" in exporters
         else DEFAULT_PROMETHEUS_PORT,

@@ -13,7 +13,9 @@ its shutdown path and the counts since the last periodic export are lost.
 ``LLM`` gets vLLM's 5 s grace, shorter than the OTLP export timeout.
 
 How: for a manager whose engine speculates, ``shutdown`` waits up to
-``timeout + final-export budget + teardown margin`` before it SIGKILLs.
+``timeout + shutdown budget + teardown margin`` before it SIGKILLs (the
+budget, ``OTEL_SPECDEC_SHUTDOWN_TIMEOUT``, bounds the plugin's whole
+shutdown, spans included, and has a ceiling).
 The wait ends as soon as the engine exits; vLLM's own draining rule
 (``shutdown_timeout``) is unchanged, because the engine decides by itself
 whether to abort or drain. Nothing changes for non-speculative engines.
@@ -29,7 +31,7 @@ from typing import Any
 
 from wrapt import wrap_function_wrapper
 
-from otel_specdec import _settings, _tracing, _vllm_compat
+from otel_specdec import _settings, _vllm_compat
 
 __all__ = ["install", "uninstall"]
 
@@ -49,9 +51,7 @@ def _init_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     try:
         vllm_config = _vllm_compat.process_manager_vllm_config(wrapped, args, kwargs)
         if _vllm_compat.speculates(vllm_config):
-            grace = _settings.final_export_budget_s() + _TEARDOWN_MARGIN_S
-            if _tracing.enabled(report=False):
-                grace += _tracing.export_timeout_s()
+            grace = _settings.shutdown_budget_s(report=False) + _TEARDOWN_MARGIN_S
     except Exception:
         _logger.debug("otel_specdec: could not read the engine's config", exc_info=True)
     # Set before the host's __init__, whose failure path calls shutdown.

@@ -35,8 +35,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_specdec import _instruments as names
+from otel_specdec._bounded import Deadline, call_within
 from otel_specdec._settings import (
     PROTOCOLS,
+    SHUTDOWN_TIMEOUT_ENV,
     ConfigError,
     env_flag,
     env_value,
@@ -95,11 +97,8 @@ def _span_exporter(name: str) -> Any:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[assignment]
             OTLPSpanExporter,
         )
-    return OTLPSpanExporter()
-
-
-def export_timeout_s() -> float:
-    return otlp_timeout_s("TRACES", report=False)
+    # The timeout is passed explicitly: see otlp_timeout_s for its unit.
+    return OTLPSpanExporter(timeout=otlp_timeout_s("TRACES"))
 
 
 def _own_provider(resource: Resource) -> TracerProvider | None:
@@ -199,31 +198,36 @@ class RequestSpanEmitter:
 
     # --- shutdown -----------------------------------------------------------
 
-    def flush(self, budget_s: float) -> None:
-        """Build what is queued and export it, within ``budget_s``."""
-        self._drain(budget_s, stop=False)
+    def flush(self, deadline: Deadline) -> None:
+        """Build what is queued and export it, before ``deadline``."""
+        self._drain(deadline, stop=False)
 
-    def close(self, budget_s: float) -> None:
+    def close(self, deadline: Deadline) -> None:
         """Flush, stop the worker, shut the plugin's own provider down."""
-        self._drain(budget_s, stop=True)
+        self._drain(deadline, stop=True)
 
-    def _drain(self, budget_s: float, stop: bool) -> None:
-        deadline = time.monotonic() + budget_s
+    def _drain(self, deadline: Deadline, stop: bool) -> None:
+        # Half of what is left for building the queued spans, the rest (and
+        # whatever building left over) for exporting them.
         if os.getpid() == self._pid and self._thread.is_alive():
             if stop:
                 self._queue.put(None)
-                self._thread.join(timeout=budget_s / 2)
+                self._thread.join(timeout=deadline.remaining_s() / 2)
             else:
                 reached = threading.Event()
                 self._queue.put(reached)
-                reached.wait(timeout=budget_s / 2)
-        remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-        try:
-            self.provider.force_flush(timeout_millis=remaining_ms)
+                reached.wait(timeout=deadline.remaining_s() / 2)
+
+        def export() -> None:
+            self.provider.force_flush(timeout_millis=int(deadline.remaining_s() * 1000))
             if stop and self.owns_provider:
                 self.provider.shutdown()
-        except Exception:
-            _logger.warning("otel_specdec: exporting request spans failed", exc_info=True)
+
+        if not call_within(export, deadline.remaining_s(), "span-export"):
+            _logger.warning(
+                "otel_specdec: request spans were not all exported within the shutdown "
+                "budget (%s=%g s); the engine stops without waiting longer",
+                SHUTDOWN_TIMEOUT_ENV, deadline.budget_s)
 
 
 def build_emitter(resource: Resource) -> RequestSpanEmitter | None:
