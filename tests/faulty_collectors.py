@@ -220,6 +220,8 @@ class RecoveringCollector(_TcpCollector):
 
     def _hold(self, conn: socket.socket) -> None:
         """Read and discard until the client gives up; never answer."""
+        with self._lock:
+            self.held.append(conn)
         try:
             while conn.recv(65536):
                 pass
@@ -254,4 +256,13 @@ class RecoveringCollector(_TcpCollector):
         self._closed()
 
     def recover(self) -> None:
+        """Answer from now on; the hung connections end, as a collector
+        that restarts ends them."""
         self.recovered.set()
+        with self._lock:
+            held, self.held = self.held, []
+        for conn in held:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
