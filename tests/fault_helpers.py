@@ -1,5 +1,5 @@
-"""What the failure tests need around the engine: free ports, a collector
-that hangs, TLS certificates, an engine child driven phase by phase."""
+"""What the failure tests need around the engine: free ports, TLS
+certificates, an engine child driven phase by phase."""
 
 from __future__ import annotations
 
@@ -38,36 +38,6 @@ def drain_lines(stream: Any) -> list[str]:
 
     threading.Thread(target=drain, daemon=True).start()
     return lines
-
-
-class HangingCollector:
-    """Accepts connections on loopback and never answers (nor closes)."""
-
-    def __init__(self) -> None:
-        self._sock = socket.socket()
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
-        self.port = self._sock.getsockname()[1]
-        self.accepted: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            self.accepted.append(conn)
-
-    def __enter__(self) -> HangingCollector:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._sock.close()
-        for conn in self.accepted:
-            conn.close()
 
 
 def make_tls_files(directory: Path) -> dict[str, str]:

@@ -161,8 +161,8 @@ def prepare_release_host() -> None:
     # venv's torch no longer has when they load their compiled kernels,
     # which the unpacked release leaves out anyway: load none.
     CpuPlatform.import_kernels = classmethod(lambda cls: None)  # type: ignore[method-assign]
-    if release < (0, 26):
-        # 0.25 and older ignore VLLM_TARGET_DEVICE and, without a GPU,
+    if release < (0, 28):
+        # 0.27 and older ignore VLLM_TARGET_DEVICE and, without a GPU,
         # resolve an unspecified platform ("Device string must not be empty").
         vllm.platforms._current_platform = CpuPlatform()
     if release >= (0, 33):
