@@ -21,6 +21,7 @@ from otel_helpers import histogram
 from scheduler_harness import SchedulerHarness, build_scheduler
 
 from otel_specdec import SpecDecodeInstrumentor, _instruments, _runtime
+from otel_specdec._bounded import Deadline
 
 K = 3
 PARENT_SPAN = "00f067aa0ba902b7"
@@ -50,7 +51,7 @@ class Traced:
     def finished_spans(self) -> list[Any]:
         runtime = _runtime.current()
         assert runtime is not None and runtime.spans is not None
-        runtime.spans.flush(5)
+        runtime.spans.flush(Deadline(5))
         return [s for s in self.spans.get_finished_spans()
                 if s.name == _instruments.SPAN_REQUEST]
 
