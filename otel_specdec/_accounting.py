@@ -60,12 +60,15 @@ __all__ = ["SpecDecodeTotals", "StepAccountant", "TotalsSnapshot"]
 Attributes = Mapping[str, Any]
 
 VECTORISE_FROM_BATCH = 32
-# Indices in SpecDecodeTotals.step_counts (the C pass uses the same).
-EMPTY_PROPOSALS = 0
-PADDING_TOKENS = 1
+# The slots of SpecDecodeTotals.step_counts, in order. The C pass is given
+# these names and checks them against its own.
+STEP_COUNTS = ("empty_proposals", "padding_tokens")
+EMPTY_PROPOSALS = STEP_COUNTS.index("empty_proposals")
+PADDING_TOKENS = STEP_COUNTS.index("padding_tokens")
 # Spilled tallies of requests that vanished without being freed are swept.
 _SWEEP_EVERY_STEPS = 4096
-# Released request ids are kept a few steps (see release); pruned this often.
+# Released request ids are kept a few steps (see release); pruned this often,
+# on every path (the C pass is given the same interval).
 _PRUNE_FREED_EVERY_STEPS = 8
 
 _LAST = itemgetter(-1)
@@ -240,6 +243,7 @@ class StepAccountant:
         "_freed_keep_steps",
         "_prev_sampled",
         "_step",
+        "_vectorised_steps",
         "_details",
         "_spans",
     )
@@ -277,10 +281,16 @@ class StepAccountant:
             # A release that counts finished requests still in the table
             # (rules.skips_finished false) needs each row looked up there,
             # as with steps in flight, rather than told by the freed set.
+            # With steps in flight a row's request can be finished and still
+            # in the table (a KV connector delaying its free): skipped, as
+            # vLLM skips it, where the rules say so.
             self._scanner = self._tallies = NATIVE_SCANNER(
-                totals, requests, REQUEST_RATE_BOUNDS, fields._asdict(), track_padding,
-                steps_in_flight > 0 or not rules.skips_finished, self._freed_keep_steps,
-                _SWEEP_EVERY_STEPS,
+                totals, requests, REQUEST_RATE_BOUNDS, fields._asdict(), STEP_COUNTS,
+                track_padding=track_padding,
+                in_flight=steps_in_flight > 0 or not rules.skips_finished,
+                skip_finished=rules.skips_finished, finished_above=finished_above,
+                keep_steps=self._freed_keep_steps, prune_every=_PRUNE_FREED_EVERY_STEPS,
+                sweep_every=_SWEEP_EVERY_STEPS,
             )
         self._num_sampled = num_sampled_per_step
         # Under async scheduling every scheduled draft is a -1 placeholder,
@@ -302,6 +312,7 @@ class StepAccountant:
         # Sampled tokens per row in the previous step, when it was vectorised.
         self._prev_sampled: list[int] | None = None
         self._step = 0
+        self._vectorised_steps = 0
         # Request spans need per-request detail, kept by the exact path only.
         self._spans = spans
         self._details = RequestDetails(totals.num_speculative_tokens) if spans else None
@@ -351,6 +362,8 @@ class StepAccountant:
         """
         self._step += 1
         scanner = self._scanner
+        if scanner is not None:
+            scanner.advance()  # its released ids are pruned by its step count
         if self._check_stale is None and self._requests:
             self._check_stale = self._stale_possible and hasattr(
                 next(iter(self._requests.values())), self._stale_tokens
@@ -375,12 +388,12 @@ class StepAccountant:
             )
         if empty is None:
             self._prev_sampled = None
-            if scanner is not None:
-                scanner.invalidate()  # the C pass's previous step is not this one's
             if spec_tokens:
                 self._observe_exact(
                     spec_tokens, sampled_token_ids, req_id_to_index, invalid_spec_tokens, skip
                 )
+        else:
+            self._vectorised_steps += 1
         if empty is None or empty < 0:
             empty = self._count_empty_proposals(
                 spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index
@@ -699,6 +712,12 @@ class StepAccountant:
             detail = self._details.take(request_id)  # type: ignore[union-attr]
             if detail is not None and detail.drafts > 0:
                 self._spans.submit(detail.request, detail, self.totals)  # type: ignore[union-attr]
+
+    def steps_by_path(self) -> dict[str, int]:
+        """Steps each accounting path took (for tests and benchmarks)."""
+        native = self._scanner.native_steps if self._scanner is not None else 0
+        return {"native": native, "vectorised": self._vectorised_steps,
+                "exact": self._step - self._vectorised_steps}
 
     def held_state(self) -> dict[str, int]:
         """Sizes of what the accountant keeps between steps (for the memory benchmark)."""

@@ -41,13 +41,16 @@ static const char *const field_roles[N_FIELDS] = {
     "spec_tokens", "num_scheduled", "invalid_spec_tokens", "finished_ids",
     "sampled", "row_of", "rows", "kv_output", "kv_failed", "stale_tokens",
 };
-/* SpecDecodeTotals.step_counts: [empty proposals, padding tokens]. */
-enum { COUNT_EMPTY, COUNT_PADDING };
+/* SpecDecodeTotals.step_counts, slot by slot: the constructor checks the
+ * names it is given (_accounting.STEP_COUNTS) against these. */
+enum { COUNT_EMPTY, COUNT_PADDING, N_COUNTS };
+static const char *const count_roles[N_COUNTS] = {"empty_proposals", "padding_tokens"};
 
 /* CPython keeps one object for each small int: every -1 that the
  * interpreter, PyLong_FromLong or .tolist() makes is this one, so a -1
  * placeholder is told by its address, without reading the (cold) object. */
 static PyObject *minus_one;
+static PyObject *str_status, *str_is_finished;
 
 typedef struct {
     PyObject_HEAD
@@ -60,12 +63,16 @@ typedef struct {
     int prev_valid;     /* the previous step went through step() */
     int track_padding;
     int in_flight;      /* steps can be in flight (async scheduling, pipelines) */
+    int skip_finished;  /* skip rows of finished requests still in the table */
+    long finished_above; /* statuses above it are finished; -1: ask is_finished() */
     int check_stale;    /* -1: not known yet (asked of the first request seen) */
     PyObject *spilled;  /* dict: req_id -> (drafted, accepted) of rows left */
     PyObject *requests; /* the scheduler's request table (dict) */
     PyObject *released; /* dict: req_id -> step it was released at (recent ones) */
-    long long step;     /* step() calls that took their step */
+    long long step;     /* steps seen, by step() or advance() */
+    long long native_steps; /* step() calls that took their step */
     long long keep_steps; /* steps a released id is remembered */
+    long long prune_every; /* steps between prunes of released ids */
     long long sweep_every; /* steps between sweeps of spilled tallies */
     PyObject *row_of;   /* the current step's batch index (dict), or NULL (none,
                          * or a vLLM whose output has no index: search) */
@@ -627,6 +634,28 @@ holds(PyObject *collection, PyObject *key)
     return PySequence_Contains(collection, key);
 }
 
+/* 1 if the request is finished, 0 if not, -1 on error. */
+static int
+is_finished(Scanner *self, PyObject *request)
+{
+    if (self->finished_above < 0) {
+        PyObject *result = PyObject_CallMethodNoArgs(request, str_is_finished);
+        if (result == NULL)
+            return -1;
+        int truth = PyObject_IsTrue(result);
+        Py_DECREF(result);
+        return truth;
+    }
+    PyObject *status = PyObject_GetAttr(request, str_status);
+    if (status == NULL)
+        return -1;
+    long value = PyLong_AsLong(status);
+    Py_DECREF(status);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    return value > self->finished_above;
+}
+
 /* Results of a pass over the rows. */
 typedef struct {
     long long acc_hist[HIST_SIZE], drf_hist[HIST_SIZE];
@@ -679,10 +708,15 @@ scan_rows(Scanner *self, StepInputs *in, PyObject *freed, Pass *p)
          * flight, look it up. */
         int gone = 0;
         if (self->in_flight) {
-            if (PyDict_GetItemWithError(self->requests, req_id) == NULL) {
+            PyObject *request = PyDict_GetItemWithError(self->requests, req_id);
+            if (request == NULL) {
                 if (PyErr_Occurred())
                     return -1;
                 gone = 1;
+            } else if (self->skip_finished && (gone = is_finished(self, request)) < 0) {
+                /* Finished but kept in the table (a KV connector delaying
+                 * its free): vLLM skips it. */
+                return -1;
             }
         } else if (freed != NULL && (gone = holds(freed, req_id)) < 0) {
             return -1;
@@ -732,6 +766,21 @@ scan_rows(Scanner *self, StepInputs *in, PyObject *freed, Pass *p)
         }
         had_output[i] = s > 0;
     }
+    return 0;
+}
+
+/* One more step, whichever path took it: released ids and spilled tallies
+ * are pruned by the step count, so they stay bounded on every path. */
+static int
+tick(Scanner *self)
+{
+    self->step++;
+    if (self->step % self->prune_every == 0 &&
+        delete_where_not(self->released, is_recent, self) < 0)
+        return -1;
+    if (self->step % self->sweep_every == 0 &&
+        delete_where_not(self->spilled, is_live, self) < 0)
+        return -1;
     return 0;
 }
 
@@ -794,12 +843,9 @@ Scanner_step(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
     if (fit(self, PyList_GET_SIZE(in.rows)) < 0)
         goto done;
     self->prev_valid = 0; /* until this step is through */
-    self->step++;
-    if (self->step % 8 == 0 && delete_where_not(self->released, is_recent, self) < 0)
+    if (tick(self) < 0)
         goto done;
-    if (self->step % self->sweep_every == 0 &&
-        delete_where_not(self->spilled, is_live, self) < 0)
-        goto done;
+    self->native_steps++;
     if (scan_rows(self, &in, freed, &p) < 0)
         goto done;
     if (add_counts(self->acc_hist, p.acc_hist, p.acc_top) < 0 ||
@@ -895,9 +941,11 @@ Scanner_clear(Scanner *self, PyObject *Py_UNUSED(ignored))
 }
 
 static PyObject *
-Scanner_invalidate(Scanner *self, PyObject *Py_UNUSED(ignored))
+Scanner_advance(Scanner *self, PyObject *Py_UNUSED(ignored))
 {
     self->prev_valid = 0;
+    if (tick(self) < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -917,22 +965,53 @@ totals_list(PyObject *totals, const char *name, Py_ssize_t min_size)
 static int
 Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"totals", "requests", "rate_bounds", "fields",
-                               "track_padding", "in_flight", "keep_steps", "sweep_every",
+    static char *keywords[] = {"totals", "requests", "rate_bounds", "fields", "counts",
+                               "track_padding", "in_flight", "skip_finished",
+                               "finished_above", "keep_steps", "prune_every", "sweep_every",
                                NULL};
-    PyObject *totals, *requests, *bounds, *fields;
-    int track_padding, in_flight;
-    long long keep_steps, sweep_every;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!ppLL", keywords, &totals,
+    PyObject *totals, *requests, *bounds, *fields, *count_names, *finished_above;
+    int track_padding, in_flight, skip_finished;
+    long long keep_steps, prune_every, sweep_every;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpppOLLL", keywords, &totals,
                                      &PyDict_Type, &requests, &bounds, &PyDict_Type, &fields,
-                                     &track_padding, &in_flight, &keep_steps, &sweep_every))
+                                     &count_names, &track_padding, &in_flight, &skip_finished,
+                                     &finished_above, &keep_steps, &prune_every, &sweep_every))
         return -1;
     Py_ssize_t nb = PySequence_Size(bounds);
     if (nb < 0)
         return -1;
-    if (nb > MAX_BOUNDS || sweep_every < 1) {
-        PyErr_SetString(PyExc_ValueError, "Scanner: bad rate bounds or sweep_every");
+    if (nb > MAX_BOUNDS || sweep_every < 1 || prune_every < 1) {
+        PyErr_SetString(PyExc_ValueError, "Scanner: bad rate bounds, prune_every or sweep_every");
         return -1;
+    }
+    /* The totals' count slots, in order: the same names as this file's. */
+    if (PySequence_Size(count_names) != N_COUNTS) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "Scanner: %d count slots expected", N_COUNTS);
+        return -1;
+    }
+    for (int i = 0; i < N_COUNTS; i++) {
+        PyObject *name = PySequence_GetItem(count_names, i);
+        if (name == NULL)
+            return -1;
+        int same = PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name,
+                                                                              count_roles[i]) == 0;
+        Py_DECREF(name);
+        if (!same) {
+            PyErr_Format(PyExc_ValueError, "Scanner: count slot %d must be %s", i,
+                         count_roles[i]);
+            return -1;
+        }
+    }
+    long above = -1;
+    if (finished_above != Py_None) {
+        above = PyLong_AsLong(finished_above);
+        if (above == -1 && PyErr_Occurred())
+            return -1;
+        if (above < 0) {
+            PyErr_SetString(PyExc_ValueError, "Scanner: finished_above must be >= 0 or None");
+            return -1;
+        }
     }
     for (Py_ssize_t b = 0; b < nb; b++) {
         PyObject *bound = PySequence_GetItem(bounds, b);
@@ -974,7 +1053,7 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
     PyObject *acc_hist = totals_list(totals, "accepted_hist", 1);
     PyObject *drf_hist = totals_list(totals, "drafted_hist", 1);
     PyObject *buckets = totals_list(totals, "rate_buckets", nb + 1);
-    PyObject *counts = totals_list(totals, "step_counts", 2);
+    PyObject *counts = totals_list(totals, "step_counts", N_COUNTS);
     PyObject *rate_sum = totals_list(totals, "rate_sum_cell", 1);
     PyObject *trackers = PyObject_GetAttrString(totals, "rate_trackers");
     PyObject *owners = PyList_New(0), *spilled = PyDict_New(), *released = PyDict_New();
@@ -1006,10 +1085,14 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
     Py_XSETREF(self->requests, requests);
     Py_CLEAR(self->row_of);
     self->keep_steps = keep_steps;
+    self->prune_every = prune_every;
     self->sweep_every = sweep_every;
     self->step = 0;
+    self->native_steps = 0;
     self->track_padding = track_padding;
     self->in_flight = in_flight;
+    self->skip_finished = skip_finished;
+    self->finished_above = above;
     self->check_stale = -1;
     self->prev_valid = 0;
     return 0;
@@ -1082,6 +1165,12 @@ Scanner_get_released(Scanner *self, void *closure)
 }
 
 static PyObject *
+Scanner_get_native_steps(Scanner *self, void *closure)
+{
+    return PyLong_FromLongLong(self->native_steps);
+}
+
+static PyObject *
 Scanner_get_check_stale(Scanner *self, void *closure)
 {
     return PyBool_FromLong(self->check_stale > 0);
@@ -1105,8 +1194,8 @@ static PyMethodDef Scanner_methods[] = {
     {"drop_missing", (PyCFunction)Scanner_drop_missing, METH_O,
      "drop_missing(requests): forget tallies outside the rows of requests not in it"},
     {"clear", (PyCFunction)Scanner_clear, METH_NOARGS, "forget every tally"},
-    {"invalidate", (PyCFunction)Scanner_invalidate, METH_NOARGS,
-     "the last step did not go through step()"},
+    {"advance", (PyCFunction)Scanner_advance, METH_NOARGS,
+     "a step taken by the Python path: counted, and prunes as step() does"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1116,6 +1205,8 @@ static PyGetSetDef Scanner_getset[] = {
      "request id -> (drafted, accepted) of requests not in a row", NULL},
     {"released", (getter)Scanner_get_released, NULL,
      "request id -> step, of the requests released in the last keep_steps steps", NULL},
+    {"native_steps", (getter)Scanner_get_native_steps, NULL,
+     "steps step() took (the others went to the Python path)", NULL},
     {"check_stale", (getter)Scanner_get_check_stale, (setter)Scanner_set_check_stale,
      "look for stale in-flight output before each step", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -1145,7 +1236,10 @@ PyMODINIT_FUNC
 PyInit__rowscan(void)
 {
     minus_one = PyLong_FromLong(-1);
-    if (minus_one == NULL || PyType_Ready(&ScannerType) < 0)
+    str_status = PyUnicode_InternFromString("status");
+    str_is_finished = PyUnicode_InternFromString("is_finished");
+    if (minus_one == NULL || str_status == NULL || str_is_finished == NULL ||
+        PyType_Ready(&ScannerType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)

