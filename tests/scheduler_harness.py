@@ -97,12 +97,14 @@ def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: b
                     max_num_seqs: int = 1024, method: str = "ngram",
                     per_request_metrics: bool = False, async_scheduling: bool = False,
                     served_model_name: str | None = None, num_blocks: int = 200_000,
-                    speculative_extra: dict[str, Any] | None = None) -> Any:
+                    speculative_extra: dict[str, Any] | None = None,
+                    kv_transfer_config: dict[str, Any] | None = None) -> Any:
     """vLLM's ``Scheduler`` (``AsyncScheduler`` with ``async_scheduling``).
 
     ``num_blocks``: KV-cache blocks of 16 tokens; few of them make vLLM
     preempt running requests. ``speculative_extra``: more speculative-config
     settings (``num_speculative_tokens_per_batch_size``, for instance).
+    ``kv_transfer_config``: a KV connector for the scheduler.
     """
     import torch
     from vllm.engine.arg_utils import EngineArgs
@@ -127,6 +129,7 @@ def build_scheduler(model_dir: str, num_speculative_tokens: int, *, log_stats: b
         # vLLM's own per-request counts, reported with each finished request.
         per_request_spec_decode_metrics="summary" if per_request_metrics else "none",
         max_num_batched_tokens=max(8192, max_num_seqs * (num_speculative_tokens + 1) * 2),
+        kv_transfer_config=kv_transfer_config,
     )
     vllm_config = args.create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = num_blocks

@@ -4,10 +4,13 @@ Each test drives vLLM's own ``Scheduler`` (see ``scheduler_harness``) and
 compares what the plugin exported with vLLM's own ``SpecDecodingStats`` for
 the same steps, and with expectations computed from the test's own plan.
 Every test runs through each accounting path: the exact (per-request) one,
-the pure-Python vectorised one and the C pass.
+the pure-Python vectorised one and the C pass, and checks that the path it
+names took steps (unusual steps go to the exact path on every path).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 from otel_helpers import histogram, per_position, points, total
@@ -52,7 +55,7 @@ def assert_matches_vllm(harness: SchedulerHarness, data) -> None:
 
 
 @pytest.fixture(params=["exact", "vectorised", "native"])
-def accounting_path(request, monkeypatch) -> str:
+def accounting_path(request, monkeypatch) -> Iterator[str]:
     """Run each test through every accounting path (they must agree with vLLM).
 
     "vectorised" is the pure-Python batch path, "native" the C pass
@@ -67,7 +70,21 @@ def accounting_path(request, monkeypatch) -> str:
         assert _accounting.NATIVE_SCANNER is not None, "the C accelerator was not built"
     else:
         monkeypatch.setattr(_accounting, "NATIVE_SCANNER", None)
-    return request.param
+    accountants: list = []
+    original_init = _accounting.StepAccountant.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        accountants.append(self)
+
+    monkeypatch.setattr(_accounting.StepAccountant, "__init__", recording_init)
+    yield request.param
+    # The path under test took the steps (a path that declined every step
+    # would leave the others to pass the test alone).
+    steps = {path: sum(a.steps_by_path()[path] for a in accountants)
+             for path in ("exact", "vectorised", "native")}
+    assert steps[request.param] > 0, steps
+    assert all(n == 0 for path, n in steps.items() if path not in ("exact", request.param)), steps
 
 
 @pytest.fixture
@@ -463,3 +480,50 @@ def test_dynamic_speculative_decoding_k_follows_the_batch(tiny_model, reader, ac
     assert length.explicit_bounds == tuple(float(i) for i in range(1, k_max + 2))
     for point in points(data, DRAFT_TOKENS):
         assert point.attributes["vllm.spec_decode.num_speculative_tokens"] == k_max
+
+
+def test_finished_request_held_by_a_kv_connector_is_skipped(tiny_model, reader,
+                                                           accounting_path):
+    # A KV connector that delays frees (a disaggregated-prefill producer)
+    # keeps finished requests in the scheduler's table. With a step in
+    # flight such a request is in the next step's output, and vLLM skips it
+    # because it is finished, not because it is gone.
+    import collections
+
+    import delaying_kv_connector
+
+    skip_without_async_speculation()
+    if vllm_release() < (0, 16):
+        pytest.skip("vLLM counts finished requests still in its table before 0.16 "
+                    "(docs/compatibility.md)")
+    harness = SchedulerHarness(build_scheduler(
+        tiny_model, K, async_scheduling=True, per_request_metrics=True,
+        kv_transfer_config={"kv_connector": delaying_kv_connector.CLASS,
+                            "kv_connector_module_path": delaying_kv_connector.MODULE,
+                            "kv_role": "kv_both"},
+    ))
+    assert type(harness.scheduler.connector).__name__ == delaying_kv_connector.CLASS
+    ids = harness.add_requests(6, max_tokens=9) + harness.add_requests(6, max_tokens=14)
+    in_flight: collections.deque = collections.deque()
+    held_rows = 0
+    for step in range(40):
+        so = harness.schedule()
+        in_flight.append((so, harness.model_output(so, lambda r, d, s=step: (s + len(r)) % 4)))
+        if len(in_flight) == 2:
+            done, output = in_flight.popleft()
+            requests = harness.scheduler.requests
+            held_rows += sum(1 for r in done.scheduled_spec_decode_tokens
+                             if r in requests and requests[r].is_finished())
+            harness.update(done, output)
+            harness.propose(done, full_proposal)
+    while in_flight:
+        done, output = in_flight.popleft()
+        harness.update(done, output)
+    assert held_rows > 0  # the case under test happened
+    assert all(harness.scheduler.requests[r].is_finished() for r in ids)  # all held
+    data = reader.get_metrics_data()
+    assert_matches_vllm(harness, data)
+    rates = [a / d for d, a in harness.per_request().values() if d]
+    point = histogram(data, REQ_RATE)
+    assert point.count == len(rates) == len(ids)
+    assert point.sum == pytest.approx(sum(rates))
