@@ -28,7 +28,7 @@ itself, measured directly rather than as a difference of two noisy times.
 
     .venv/bin/python bench/step_cost.py [--batches 1,64,256,1024] [--ks 1,4,8] [--steps 300]
                                         [--rounds 5] [--tracing] [--control]
-                                        [--pure-python] [--own-time]
+                                        [--pure-python] [--exact-only] [--own-time]
 
 ``--tracing`` turns request spans on (``OTEL_SPECDEC_TRACES=true``, spans
 built on the plugin's worker thread and handed to an exporter that drops
@@ -251,6 +251,9 @@ def main() -> None:
                         help="both schedulers without the plugin: the noise floor")
     parser.add_argument("--pure-python", action="store_true",
                         help="the plugin without its C accelerator (as where it was not built)")
+    parser.add_argument("--exact-only", action="store_true",
+                        help="without the C accelerator, every step on the exact "
+                             "(per-request) path")
     parser.add_argument("--own-time", action="store_true",
                         help="also time the plugin's own calls inside the hook")
     args = parser.parse_args()
@@ -264,14 +267,17 @@ def main() -> None:
     from otel_specdec import SpecDecodeInstrumentor, _accounting
     from otel_specdec._tiny_model import build_tiny_model
 
-    if args.pure_python:
+    if args.pure_python or args.exact_only:
         _accounting.NATIVE_SCANNER = None
+    if args.exact_only:
+        _accounting.VECTORISE_FROM_BATCH = 10**9
 
     model_dir = str(build_tiny_model(Path(tempfile.mkdtemp()) / "target"))
     SpecDecodeInstrumentor().instrument(
         meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]),
         tracer_provider=_discarding_tracer_provider() if args.tracing else None)
-    accounting = "pure Python" if _accounting.NATIVE_SCANNER is None else "C accelerator"
+    accounting = ("exact path only" if args.exact_only else "pure Python"
+                  if _accounting.NATIVE_SCANNER is None else "C accelerator")
     print(f"request spans: {'on' if args.tracing else 'off'}; accounting: {accounting}"
           f"{'; CONTROL: no plugin on either side' if args.control else ''}")
     print(f"{'batch':>6} {'k':>3} {'unwrapped µs':>13} {'with plugin µs':>15} "

@@ -55,7 +55,12 @@ try:
 except ImportError:  # built without a C compiler: the pure-Python paths serve
     NATIVE_SCANNER = None
 
-__all__ = ["SpecDecodeTotals", "StepAccountant", "TotalsSnapshot"]
+__all__ = [
+    "NATIVE_SCANNER",
+    "SpecDecodeTotals",
+    "StepAccountant",
+    "TotalsSnapshot",
+]
 
 Attributes = Mapping[str, Any]
 

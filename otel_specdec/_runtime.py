@@ -33,7 +33,15 @@ from otel_specdec._settings import (
 )
 from otel_specdec._vllm_compat import EngineInfo
 
-__all__ = ["Runtime", "configure", "current", "get_or_create", "shutdown"]
+__all__ = [
+    "Runtime",
+    "configure",
+    "current",
+    "generation",
+    "generation_now",
+    "get_or_create",
+    "shutdown",
+]
 
 _logger = logging.getLogger(__name__)
 

@@ -27,8 +27,17 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 __all__ = [
-    "SHUTDOWN_TIMEOUT_ENV", "ConfigError", "ExportSettings", "env_flag", "env_value",
-    "otlp_setting", "otlp_timeout_s", "read_settings", "redact_url", "shutdown_budget_s",
+    "PROTOCOLS",
+    "SHUTDOWN_TIMEOUT_ENV",
+    "ConfigError",
+    "ExportSettings",
+    "env_flag",
+    "env_value",
+    "otlp_setting",
+    "otlp_timeout_s",
+    "read_settings",
+    "redact_url",
+    "shutdown_budget_s",
 ]
 
 _logger = logging.getLogger(__name__)

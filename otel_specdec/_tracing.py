@@ -47,7 +47,13 @@ from otel_specdec._settings import (
 )
 from otel_specdec.version import __version__
 
-__all__ = ["ENABLE_ENV", "RequestSpanEmitter", "build_emitter", "enabled"]
+__all__ = [
+    "ENABLE_ENV",
+    "RequestSpanEmitter",
+    "build_emitter",
+    "configure",
+    "enabled",
+]
 
 _logger = logging.getLogger(__name__)
 
