@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-CHILD = Path(__file__).with_name("_engine_child.py")
+CHILD = "bench._engine_child"
 
 
 def tiny_model() -> str:
-    sys.path.insert(0, str(ROOT))
-    from otel_specdec._tiny_model import build_tiny_model
+    from otel_specdec.demo.tiny_model import build_tiny_model
 
     return str(build_tiny_model(Path(tempfile.mkdtemp()) / "target"))
 
@@ -34,8 +33,8 @@ def engine_env(plugin: bool, endpoint: str, **extra: str) -> dict[str, str]:
 
 
 def run_child(config: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(CHILD), json.dumps(config)], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", CHILD, json.dumps(config)], env=env,
+                          capture_output=True, text=True, cwd=ROOT)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"engine run failed ({proc.returncode}): {proc.stderr[-4000:]}")

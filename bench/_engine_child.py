@@ -1,6 +1,6 @@
 """One real vLLM engine run for the end-to-end benchmarks (run in a child process).
 
-    python bench/_engine_child.py '<json config>'
+    python -m bench._engine_child '<json config>'
 
 Builds ``LLM`` (CPU build, the tiny model, ngram speculation), warms it up,
 then either times generation (``"mode": "throughput"``: output tokens per
@@ -17,16 +17,13 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PREFIX = "RESULT "
 
 
 def _prompts(n: int) -> list[str]:
-    from otel_specdec._engine_run import DEFAULT_PROMPTS
+    from otel_specdec.demo.engine_run import DEFAULT_PROMPTS
 
     return [f"{DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)]} {i}" for i in range(n)]
 

@@ -14,7 +14,7 @@ engine (in-process) and turns the plugin's patches on and off between
 generations (``instrument`` / ``uninstrument``, ABBA order): the same
 process, the same memory layout, only the plugin differs.
 
-    .venv/bin/python bench/e2e_throughput.py [--pairs 4] [--rounds 8]
+    .venv/bin/python -m bench.e2e_throughput [--pairs 4] [--rounds 8]
         [--prompts 256] [--max-tokens 128]
 """
 
@@ -22,13 +22,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _common import engine_env, run_child, tiny_model  # noqa: E402
+from bench._common import engine_env, run_child, tiny_model
 
 
 def main() -> None:
@@ -39,7 +34,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
 
-    from otel_specdec._receiver import OtlpReceiver
+    from otel_specdec.demo.receiver import OtlpReceiver
 
     model = tiny_model()
     config = {"model": model, "mode": "throughput", "prompts": args.prompts,

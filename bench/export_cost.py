@@ -9,7 +9,7 @@ requests, k = 4, acceptance varying over 0..k); then one cycle
 (``force_flush``: collect, build the histogram points, encode, send) is timed
 in CPU time of the calling thread, which is where the SDK does that work.
 
-    .venv/bin/python bench/export_cost.py [--drafts 0,1000,100000,1000000] [--cycles 15]
+    .venv/bin/python -m bench.export_cost [--drafts 0,1000,100000,1000000] [--cycles 15]
 """
 
 from __future__ import annotations
@@ -17,13 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 BATCH = 1024
 K = 4
@@ -43,8 +38,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from otel_specdec import _runtime
-    from otel_specdec._receiver import OtlpReceiver
     from otel_specdec._vllm_compat import EngineInfo
+    from otel_specdec.demo.receiver import OtlpReceiver
 
     receiver = OtlpReceiver().start()
     os.environ.update({

@@ -9,19 +9,14 @@ is reported for both runs; the plugin's per-request state (tallies of
 requests that left their row, remembered freed ids, rows) must stay bounded
 by the batch, not grow with the requests served.
 
-    .venv/bin/python bench/memory.py [--waves 10] [--prompts 256] [--max-tokens 32]
+    .venv/bin/python -m bench.memory [--waves 10] [--prompts 256] [--max-tokens 32]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _common import engine_env, run_child, tiny_model  # noqa: E402
+from bench._common import engine_env, run_child, tiny_model
 
 MIB = 1024 * 1024
 
@@ -33,7 +28,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    from otel_specdec._receiver import OtlpReceiver
+    from otel_specdec.demo.receiver import OtlpReceiver
 
     model = tiny_model()
     config = {"model": model, "mode": "memory", "prompts": args.prompts,

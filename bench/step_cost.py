@@ -26,7 +26,7 @@ step and its release after the update, through thin timing wrappers that
 add a little to "added"): the part of "added" that is the plugin's code
 itself, measured directly rather than as a difference of two noisy times.
 
-    .venv/bin/python bench/step_cost.py [--batches 1,64,256,1024] [--ks 1,4,8] [--steps 300]
+    .venv/bin/python -m bench.step_cost [--batches 1,64,256,1024] [--ks 1,4,8] [--steps 300]
                                         [--rounds 5] [--tracing] [--control]
                                         [--pure-python] [--exact-only] [--own-time]
 
@@ -42,15 +42,10 @@ import argparse
 import functools
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
 
 
 def _prometheus_side(scheduler: Any) -> Any:
@@ -100,7 +95,7 @@ class _Stream:
     """One scheduler fed a deterministic stream of requests and model outputs."""
 
     def __init__(self, model_dir: str, batch: int, k: int, seed: int) -> None:
-        from scheduler_harness import SchedulerHarness, build_scheduler
+        from tests.scheduler_harness import SchedulerHarness, build_scheduler
 
         self.harness = SchedulerHarness(build_scheduler(model_dir, k, log_stats=False,
                                                         max_num_seqs=max(batch, 1)))
@@ -265,7 +260,7 @@ def main() -> None:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from otel_specdec import SpecDecodeInstrumentor, _accounting
-    from otel_specdec._tiny_model import build_tiny_model
+    from otel_specdec.demo.tiny_model import build_tiny_model
 
     if args.pure_python or args.exact_only:
         _accounting.NATIVE_SCANNER = None

@@ -20,7 +20,7 @@ os.environ.setdefault("OTEL_METRICS_EXPORTER", "none")
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from otel_specdec._tiny_model import build_tiny_model
+    from otel_specdec.demo.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("target"), seed=0))
 
@@ -28,7 +28,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def other_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Same architecture and tokenizer, other weights: a draft that disagrees."""
-    from otel_specdec._tiny_model import build_tiny_model
+    from otel_specdec.demo.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("draft"), seed=1))
 

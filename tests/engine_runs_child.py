@@ -4,7 +4,7 @@
 ``plan["runs"]``, set its ``env`` in ``os.environ`` (which a new engine-core
 process inherits, and which the plugin reads when a new engine starts),
 then build an ``LLM``, generate, and ``del`` it, as
-``otel_specdec._engine_run.run`` does. One result line per run on stdout;
+``engine_child.run`` does. One result line per run on stdout;
 a ``=== run <label>`` line on stderr before each, so that the log can be
 split by run. Starting vLLM once for several runs keeps the failure
 matrix affordable.
@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from otel_specdec._engine_run import RESULT_PREFIX, run
+from engine_child import RESULT_PREFIX, run
 
 RUN_MARK = "=== run "
 

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from otel_specdec._engine_run import PHASE_PREFIX, RESULT_PREFIX
+from engine_child import ENTRY, PHASE_PREFIX, RESULT_PREFIX
 
 
 def free_port() -> int:
@@ -99,7 +99,7 @@ def make_tls_files(directory: Path) -> dict[str, str]:
 
 
 class EngineChild:
-    """``otel_specdec._engine_run`` in a child process, paused between phases.
+    """``engine_child`` in a child process, paused between phases.
 
     At each pause the child reports vLLM's counters so far; ``proceed()``
     lets it generate the next phase; ``result()`` waits for the end.
@@ -107,7 +107,7 @@ class EngineChild:
 
     def __init__(self, config: dict[str, Any], env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "otel_specdec._engine_run", json.dumps(config)],
+            [sys.executable, *ENTRY, json.dumps(config)],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True,
         )

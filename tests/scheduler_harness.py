@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from otel_specdec._receiver import add_elementwise
+from otel_specdec.demo.receiver import add_elementwise
 
 BONUS_TOKEN = 7  # the token the fake target model emits after the accepted prefix
 

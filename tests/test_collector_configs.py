@@ -32,7 +32,7 @@ from rotel_helpers import (
     source_env_file,
 )
 
-from otel_specdec._receiver import OtlpReceiver
+from otel_specdec.demo.receiver import OtlpReceiver
 
 KINDS = ("receivers", "processors", "exporters", "connectors", "extensions")
 SIGNALS = {"metrics", "traces", "logs"}

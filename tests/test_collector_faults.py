@@ -22,13 +22,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+from engine_child import RESULT_PREFIX
 from engine_runs_child import RUN_MARK
 from fault_helpers import ApiServer, EngineChild, clean_env, drain_lines
 from faulty_collectors import KINDS, FaultyCollector, RecoveringCollector
 
-from otel_specdec._engine_run import RESULT_PREFIX
-from otel_specdec._receiver import OtlpReceiver
 from otel_specdec._settings import DEFAULT_SHUTDOWN_TIMEOUT_S, SHUTDOWN_TIMEOUT_ENV
+from otel_specdec.demo.receiver import OtlpReceiver
 
 pytestmark = pytest.mark.engine
 

@@ -22,12 +22,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `dashboards` is not installed; plain `pytest` lacks the cwd
-    sys.path.insert(0, str(REPO))
+from tools import dashboard_codegen as gen
+from tools.dashboard_queries import iter_panels, load_dashboard, panel_queries, substitute
 
-from dashboards import specdec_dashboard as gen  # noqa: E402
-from dashboards.queries import iter_panels, load_dashboard, panel_queries, substitute  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 KNOWN_METRICS = frozenset(
     {
@@ -99,7 +97,7 @@ def _targets(dashboard: dict) -> list[tuple[dict, dict]]:
 def test_committed_json_is_what_the_generator_writes() -> None:
     committed = gen.OUTPUT.read_text(encoding="utf-8")
     assert gen.render() == committed, (
-        "dashboards/otel-specdec.json is stale: run `python -m dashboards.specdec_dashboard`"
+        "dashboards/otel-specdec.json is stale: run `python -m tools.dashboard_codegen`"
     )
 
 
@@ -131,7 +129,7 @@ def test_check_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_module_entry_point_check() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "dashboards.specdec_dashboard", "--check"],
+        [sys.executable, "-m", "tools.dashboard_codegen", "--check"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from engine_child import run_in_child
 from opentelemetry.sdk.resources import Resource
 
-from otel_specdec._engine_run import run_in_child
-from otel_specdec._receiver import OtlpReceiver
+from otel_specdec.demo.receiver import OtlpReceiver
 
 pytestmark = pytest.mark.engine
 

@@ -26,7 +26,7 @@ from otel_specdec._instruments import (
     ATTR_POSITION,
     MAX_MODEL_NAME_LEN,
 )
-from otel_specdec._receiver import OtlpReceiver
+from otel_specdec.demo.receiver import OtlpReceiver
 
 K = 3
 SECRET = "s3cr3t-t0ken"

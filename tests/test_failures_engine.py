@@ -11,6 +11,7 @@ from pathlib import Path
 
 import certifi
 import pytest
+from engine_child import run_in_child
 from fault_helpers import (
     ApiServer,
     EngineChild,
@@ -20,7 +21,6 @@ from fault_helpers import (
     prometheus_counters,
 )
 
-from otel_specdec._engine_run import run_in_child
 from otel_specdec._instruments import (
     ATTR_METHOD,
     ATTR_MODEL,
@@ -28,7 +28,7 @@ from otel_specdec._instruments import (
     ATTR_POSITION,
     RES_DP_RANK,
 )
-from otel_specdec._receiver import MetricsStore, OtlpReceiver, ServerTls
+from otel_specdec.demo.receiver import MetricsStore, OtlpReceiver, ServerTls
 
 pytestmark = pytest.mark.engine
 

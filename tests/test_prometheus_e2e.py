@@ -163,7 +163,7 @@ def length_distribution(run: LiveRun) -> dict[float, float]:
 
 
 def dashboard_targets() -> list[tuple[str, str, str]]:
-    from dashboards.queries import iter_panels, load_dashboard, substitute
+    from tools.dashboard_queries import iter_panels, load_dashboard, substitute
 
     dashboard = load_dashboard(DASHBOARD)
     return [(panel["title"], target["refId"],
@@ -173,7 +173,7 @@ def dashboard_targets() -> list[tuple[str, str, str]]:
 
 
 def cost_ratio_default() -> float:
-    from dashboards.queries import load_dashboard, variable_defaults
+    from tools.dashboard_queries import load_dashboard, variable_defaults
 
     return float(variable_defaults(load_dashboard(DASHBOARD))["cost_ratio"])
 

@@ -12,11 +12,11 @@ plugin's final export at engine shutdown, batched and forwarded by rotel.
 from __future__ import annotations
 
 import pytest
+from engine_child import run_in_child
 from fault_helpers import clean_env
 from rotel_helpers import RotelAgent, agent_version, require_rotel_agent
 
-from otel_specdec._engine_run import run_in_child
-from otel_specdec._receiver import OtlpReceiver
+from otel_specdec.demo.receiver import OtlpReceiver
 
 pytestmark = pytest.mark.engine
 

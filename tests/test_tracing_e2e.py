@@ -15,11 +15,12 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from engine_child import run_in_child
 from fault_helpers import ApiServer, clean_env, prometheus_counters
 
 from otel_specdec import _instruments as names
-from otel_specdec._engine_run import DEFAULT_PROMPTS, run_in_child
-from otel_specdec._receiver import OtlpReceiver, ReceivedSpan
+from otel_specdec.demo.engine_run import DEFAULT_PROMPTS
+from otel_specdec.demo.receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.engine
 

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--workdir", help="where to build the model (default: a temp dir)")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from otel_specdec._demo import main as demo_main
+        from otel_specdec.demo.run import main as demo_main
 
         return demo_main(args.workdir)
     return 2

@@ -24,7 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-DASHBOARD_PATH = Path(__file__).with_name("otel-specdec.json")
+DASHBOARD_PATH = Path(__file__).resolve().parents[1] / "dashboards" / "otel-specdec.json"
 
 RATE_INTERVAL_DEFAULT = "5m"
 ALL_REGEX = ".*"

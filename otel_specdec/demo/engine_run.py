@@ -1,6 +1,6 @@
 """Run real vLLM with speculative decoding once and report what it counted.
 
-``python -m otel_specdec._engine_run '<json>'`` builds an ``LLM`` with the
+``python -m otel_specdec.demo.engine_run '<json>'`` builds an ``LLM`` with the
 given speculative config, generates greedily, and prints one JSON line with
 the generated token ids and vLLM's own ``spec_decode`` counters from
 ``LLM.get_metrics()``. The demo and the tests run it in a child process, so
@@ -10,19 +10,20 @@ own process) and the plugin loads through vLLM's entry point.
 
 from __future__ import annotations
 
-import gc
 import json
 import subprocess
 import sys
 import time
 from typing import Any
 
-from otel_specdec._receiver import add_elementwise
+from otel_specdec.demo.receiver import add_elementwise
 
-__all__ = ["run", "run_in_child", "DEFAULT_PROMPTS", "PHASE_PREFIX", "RESULT_PREFIX"]
+__all__ = [
+    "DEFAULT_PROMPTS", "RESULT_PREFIX", "build_llm", "generate", "run", "run_in_child",
+    "sampling_params", "vllm_counters",
+]
 
 RESULT_PREFIX = "OTEL_SPECDEC_RESULT "
-PHASE_PREFIX = "OTEL_SPECDEC_PHASE "
 
 DEFAULT_PROMPTS = [
     "the quick brown fox jumps over the lazy dog, the quick brown fox",
@@ -55,7 +56,7 @@ def vllm_counters(llm: Any) -> dict[str, Any]:
     return out
 
 
-def _build_llm(config: dict[str, Any]) -> Any:
+def build_llm(config: dict[str, Any]) -> Any:
     from vllm import LLM
 
     return LLM(
@@ -70,90 +71,51 @@ def _build_llm(config: dict[str, Any]) -> Any:
     )
 
 
-def _generate(llm: Any, config: dict[str, Any], result: dict[str, Any]) -> None:
-    """``config["phases"]`` rounds of generation (default 1).
-
-    Between rounds the child prints ``PHASE_PREFIX <n> <vLLM's counters as
-    JSON>`` and waits for a line on stdin, so a test can change the world (start or stop a
-    collector) while the engine is up. ``config["hold"]`` pauses also before
-    the first round and after the last (the engine idle, still serving).
-    """
+def sampling_params(config: dict[str, Any]) -> Any:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=config.get("max_tokens", 48),
-                            ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=config.get("max_tokens", 48),
+                          ignore_eos=True)
+
+
+def generate(llm: Any, config: dict[str, Any], result: dict[str, Any]) -> list[Any]:
+    """One round of greedy generation; its time, tokens and token ids go to ``result``."""
     prompts = config.get("prompts") or DEFAULT_PROMPTS
-    result_has_counters = not config.get("disable_log_stats", False)
-    result["gen_seconds"], result["output_tokens"] = [], []
-    hold = config.get("hold", False)
-
-    def pause(phase: int) -> None:
-        counters = json.dumps(vllm_counters(llm)) if result_has_counters else "{}"
-        print(f"{PHASE_PREFIX}{phase} {counters}", flush=True)
-        sys.stdin.readline()
-
-    for phase in range(config.get("phases", 1)):
-        if phase or hold:
-            pause(phase)
-        start = time.perf_counter()
-        if config.get("trace_headers"):
-            outputs = _generate_with_headers(llm, prompts, params, config["trace_headers"])
-        else:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-        result["gen_seconds"].append(time.perf_counter() - start)
-        result["output_tokens"].append(sum(len(o.outputs[0].token_ids) for o in outputs))
-        result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
-    if hold:
-        pause(config.get("phases", 1))
-    if result_has_counters:
-        result["vllm"] = vllm_counters(llm)
-
-
-def _generate_with_headers(llm: Any, prompts: list[str], params: Any,
-                           headers: list[dict[str, str] | None]) -> list[Any]:
-    """``LLM.generate`` takes no trace headers; vLLM's engine API does."""
-    engine = llm.llm_engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"traced-{i}", prompt, params, trace_headers=headers[i])
-    finished: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-    return [finished[f"traced-{i}"] for i in range(len(prompts))]
-
-
-def _run_in_scope(config: dict[str, Any], result: dict[str, Any]) -> None:
-    # The LLM is only referenced here: it goes when this function returns.
-    _generate(_build_llm(config), config, result)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampling_params(config), use_tqdm=False)
+    result.setdefault("gen_seconds", []).append(time.perf_counter() - start)
+    result.setdefault("output_tokens", []).append(
+        sum(len(o.outputs[0].token_ids) for o in outputs))
+    result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+    return outputs
 
 
 def run(config: dict[str, Any]) -> dict[str, Any]:
     """Build, generate, shut down; ``shutdown_seconds`` is the time to drop the LLM."""
     result: dict[str, Any] = {}
-    if config.get("drop") == "scope":
-        _run_in_scope(config, result)  # the LLM is gone when this returns
-        start = time.perf_counter()
-        gc.collect()
-    else:
-        llm = _build_llm(config)
-        _generate(llm, config, result)
-        start = time.perf_counter()
-        del llm
+    llm = build_llm(config)
+    generate(llm, config, result)
+    if not config.get("disable_log_stats", False):
+        result["vllm"] = vllm_counters(llm)
+    start = time.perf_counter()
+    del llm
     result["shutdown_seconds"] = time.perf_counter() - start
     return result
 
 
 def run_in_child(config: dict[str, Any], env: dict[str, str], *,
                  launcher: tuple[str, ...] = (), stderr: Any = subprocess.PIPE,
-                 timeout: float | None = None) -> dict[str, Any]:
+                 timeout: float | None = None,
+                 entry: tuple[str, ...] = ("-m", __name__)) -> dict[str, Any]:
     """``run(config)`` in a fresh Python process with ``env``; its result.
 
     ``launcher`` prefixes the command (e.g. ``opentelemetry-instrument``).
     With the default ``stderr``, the child's log is returned as ``"stderr"``.
+    ``entry``: what the child runs (a module or script whose ``main`` prints
+    one ``RESULT_PREFIX`` line).
     """
     proc = subprocess.run(
-        [*launcher, sys.executable, "-m", "otel_specdec._engine_run", json.dumps(config)],
+        [*launcher, sys.executable, *entry, json.dumps(config)],
         env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from otel_specdec._engine_run import run_in_child
-from otel_specdec._receiver import MetricsStore, OtlpReceiver
+from otel_specdec.demo.engine_run import run_in_child
+from otel_specdec.demo.receiver import MetricsStore, OtlpReceiver
 
 __all__ = ["main"]
 
@@ -98,7 +98,7 @@ def _print_table(title: str, plugin: dict[str, Any] | None, vllm: dict[str, Any]
 
 
 def main(workdir: str | None = None) -> int:
-    from otel_specdec._tiny_model import build_tiny_model
+    from otel_specdec.demo.tiny_model import build_tiny_model
 
     base = Path(workdir or tempfile.mkdtemp(prefix="otel-specdec-demo-"))
     _say(f"otel-specdec demo (working directory {base})")

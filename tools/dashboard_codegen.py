@@ -1,7 +1,7 @@
 """Generate the otel-specdec Grafana dashboard with grafana-foundation-sdk.
 
-    python -m dashboards.specdec_dashboard            # (re)write dashboards/otel-specdec.json
-    python -m dashboards.specdec_dashboard --check    # exit 1 if the committed file is stale
+    python -m tools.dashboard_codegen            # (re)write dashboards/otel-specdec.json
+    python -m tools.dashboard_codegen --check    # exit 1 if the committed file is stale
 
 The JSON is deterministic: sorted keys, fixed uid and panel ids, no timestamps.
 Every query uses the raw metrics (no recording rules) and the selectors
@@ -27,7 +27,7 @@ from grafana_foundation_sdk.models import dashboard as dashboard_models
 from grafana_foundation_sdk.models import heatmap as heatmap_models
 from grafana_foundation_sdk.models import prometheus as prometheus_models
 
-OUTPUT = Path(__file__).with_name("otel-specdec.json")
+OUTPUT = Path(__file__).resolve().parents[1] / "dashboards" / "otel-specdec.json"
 
 UID = "otel-specdec"
 TITLE = "vLLM speculative decoding (otel-specdec)"
@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         sys.stdout.writelines(list(diff)[:200])
         print(
-            f"{args.output} is stale: run `python -m dashboards.specdec_dashboard`",
+            f"{args.output} is stale: run `python -m tools.dashboard_codegen`",
             file=sys.stderr,
         )
         return 1

@@ -1,0 +1,111 @@
+"""The tests' engine run: ``otel_specdec.demo.engine_run`` plus test knobs.
+
+``python tests/engine_child.py '<json>'`` (through ``run_in_child``) builds
+an ``LLM`` as the demo does and adds what only tests need:
+
+* ``phases``: rounds of generation. Between rounds the child prints
+  ``PHASE_PREFIX <n> <vLLM's counters as JSON>`` and waits for a line on
+  stdin, so a test can change the world (start or stop a collector) while
+  the engine is up. ``hold`` pauses also before the first round and after
+  the last (the engine idle, still serving).
+* ``trace_headers``: one dict (or None) per prompt, handed to vLLM's engine
+  API (``LLM.generate`` takes none).
+* ``drop``: ``"scope"`` lets the ``LLM`` go out of scope (garbage collected)
+  instead of ``del``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from otel_specdec.demo import engine_run
+from otel_specdec.demo.engine_run import DEFAULT_PROMPTS, RESULT_PREFIX, vllm_counters
+
+__all__ = ["PHASE_PREFIX", "RESULT_PREFIX", "ENTRY", "run", "run_in_child"]
+
+PHASE_PREFIX = "OTEL_SPECDEC_PHASE "
+# What a child process runs: this file.
+ENTRY = (str(Path(__file__).resolve()),)
+
+
+def _generate(llm: Any, config: dict[str, Any], result: dict[str, Any]) -> None:
+    result_has_counters = not config.get("disable_log_stats", False)
+    hold = config.get("hold", False)
+
+    def pause(phase: int) -> None:
+        counters = json.dumps(vllm_counters(llm)) if result_has_counters else "{}"
+        print(f"{PHASE_PREFIX}{phase} {counters}", flush=True)
+        sys.stdin.readline()
+
+    for phase in range(config.get("phases", 1)):
+        if phase or hold:
+            pause(phase)
+        if config.get("trace_headers"):
+            _generate_with_headers(llm, config, result)
+        else:
+            engine_run.generate(llm, config, result)
+    if hold:
+        pause(config.get("phases", 1))
+    if result_has_counters:
+        result["vllm"] = vllm_counters(llm)
+
+
+def _generate_with_headers(llm: Any, config: dict[str, Any], result: dict[str, Any]) -> None:
+    """``LLM.generate`` takes no trace headers; vLLM's engine API does."""
+    prompts = config.get("prompts") or DEFAULT_PROMPTS
+    params = engine_run.sampling_params(config)
+    engine = llm.llm_engine
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"traced-{i}", prompt, params,
+                           trace_headers=config["trace_headers"][i])
+    finished: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    outputs = [finished[f"traced-{i}"] for i in range(len(prompts))]
+    result.setdefault("gen_seconds", []).append(time.perf_counter() - start)
+    result.setdefault("output_tokens", []).append(
+        sum(len(o.outputs[0].token_ids) for o in outputs))
+    result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _run_in_scope(config: dict[str, Any], result: dict[str, Any]) -> None:
+    # The LLM is only referenced here: it goes when this function returns.
+    _generate(engine_run.build_llm(config), config, result)
+
+
+def run(config: dict[str, Any]) -> dict[str, Any]:
+    """Build, generate, shut down; ``shutdown_seconds`` is the time to drop the LLM."""
+    result: dict[str, Any] = {}
+    if config.get("drop") == "scope":
+        _run_in_scope(config, result)  # the LLM is gone when this returns
+        start = time.perf_counter()
+        gc.collect()
+    else:
+        llm = engine_run.build_llm(config)
+        _generate(llm, config, result)
+        start = time.perf_counter()
+        del llm
+    result["shutdown_seconds"] = time.perf_counter() - start
+    return result
+
+
+def run_in_child(config: dict[str, Any], env: dict[str, str], **kwargs: Any) -> dict[str, Any]:
+    """``run(config)`` in a fresh Python process (see ``engine_run.run_in_child``)."""
+    return engine_run.run_in_child(config, env, entry=ENTRY, **kwargs)
+
+
+def main() -> None:
+    result = run(json.loads(sys.argv[1]))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
