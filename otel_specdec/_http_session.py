@@ -1,5 +1,7 @@
 """A ``requests`` session for the OTLP/HTTP exporter that keeps its CA file.
 
+(Listed with every other patch in ``otel_specdec._patches``.)
+
 Why: from the SDK release whose HTTP exporter moved to a transport object
 (1.4x), the exporter sets the CA file from ``OTEL_EXPORTER_OTLP_CERTIFICATE``
 as ``session.verify`` and no longer passes it per request. ``requests`` then

@@ -1,5 +1,7 @@
 """The patches on vLLM's scheduler.
 
+(Listed with every other patch in ``otel_specdec._patches``.)
+
 Target: ``vllm.v1.core.sched.scheduler.Scheduler`` (subclasses such as
 ``AsyncScheduler`` inherit the wrapped methods).
 

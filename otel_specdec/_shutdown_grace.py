@@ -1,5 +1,7 @@
 """The patch that lets a speculative engine export its last interval.
 
+(Listed with every other patch in ``otel_specdec._patches``.)
+
 Target: ``vllm.v1.engine.utils.CoreEngineProcManager`` (``__init__`` and
 ``shutdown``), in the front-end process (the API server, or the process
 that created ``LLM``), which starts and stops the engine-core processes.
