@@ -6,6 +6,7 @@ change for every dashboard and alert rule.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Final
 
 METER_NAME: Final = "otel_specdec"
@@ -39,26 +40,50 @@ UNIT_TOKEN: Final = "{token}"
 UNIT_PROPOSAL: Final = "{proposal}"
 UNIT_RATIO: Final = "1"
 
-DESCRIPTIONS: Final = {
-    DRAFTS: "Request-steps in which at least one draft token was verified.",
-    DRAFT_TOKENS: "Draft tokens verified by the target model, by draft position.",
-    ACCEPTED_TOKENS: "Draft tokens accepted (the accepted prefix), by draft position.",
-    EMPTY_PROPOSALS: (
-        "Decode request-steps of a speculative engine in which no draft token "
-        "was verified (the drafter proposed nothing)."
-    ),
-    PADDING_TOKENS: (
-        "Verified draft slots that held vLLM's padding sentinel instead of a "
-        "proposed token; included in draft_tokens, as vLLM counts them."
-    ),
-    ACCEPTANCE_LENGTH: (
-        "Tokens emitted per draft: 1 + accepted draft tokens (the bonus token "
-        "included); sum/count is vLLM's mean acceptance length."
-    ),
-    REQUEST_ACCEPTANCE_RATE: (
-        "Per finished request that had at least one draft: accepted / drafted tokens."
-    ),
-}
+COUNTER: Final = "Counter"
+HISTOGRAM: Final = "Histogram"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric: the contract a dashboard or alert relies on.
+
+    ``attributes``: attribute keys beyond the common ones (model, method, k).
+    """
+
+    name: str
+    instrument: str  # COUNTER or HISTOGRAM
+    unit: str
+    attributes: tuple[str, ...]
+    description: str
+
+
+# The metric contract, in the order the docs list it. The exporter builds
+# every instrument from this table; tests/test_contract.py checks the
+# README's table and docs/metrics.md against it.
+METRICS: Final = (
+    MetricSpec(DRAFTS, COUNTER, UNIT_DRAFT, (),
+               "Request-steps in which at least one draft token was verified."),
+    MetricSpec(DRAFT_TOKENS, COUNTER, UNIT_TOKEN, (ATTR_POSITION,),
+               "Draft tokens verified by the target model, by draft position."),
+    MetricSpec(ACCEPTED_TOKENS, COUNTER, UNIT_TOKEN, (ATTR_POSITION,),
+               "Draft tokens accepted (the accepted prefix), by draft position."),
+    MetricSpec(ACCEPTANCE_LENGTH, HISTOGRAM, UNIT_TOKEN, (),
+               "Tokens emitted per draft: 1 + accepted draft tokens (the bonus token "
+               "included); sum/count is vLLM's mean acceptance length."),
+    MetricSpec(REQUEST_ACCEPTANCE_RATE, HISTOGRAM, UNIT_RATIO, (),
+               "Per finished request that had at least one draft: accepted / drafted "
+               "tokens."),
+    MetricSpec(EMPTY_PROPOSALS, COUNTER, UNIT_PROPOSAL, (),
+               "Decode request-steps of a speculative engine in which no draft token "
+               "was verified (the drafter proposed nothing)."),
+    MetricSpec(PADDING_TOKENS, COUNTER, UNIT_TOKEN, (),
+               "Verified draft slots that held vLLM's padding sentinel instead of a "
+               "proposed token; included in draft_tokens, as vLLM counts them."),
+)
+METRIC_BY_NAME: Final = {spec.name: spec for spec in METRICS}
+# Every point carries these (docs/metrics.md, "Attributes").
+COMMON_ATTRIBUTES: Final = (ATTR_MODEL, ATTR_METHOD, ATTR_NUM_SPEC_TOKENS)
 
 # Explicit bucket bounds of the per-request acceptance rate: 0, 0.1, ..., 1.
 REQUEST_RATE_BOUNDS: Final = tuple(i / 10 for i in range(11))

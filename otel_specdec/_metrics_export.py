@@ -158,13 +158,14 @@ def _scalar(field: str) -> Callable[[SpecDecodeTotals], Iterable[Observation]]:
     return observe
 
 
-_COUNTER_SPECS = (
-    (names.DRAFTS, names.UNIT_DRAFT, _drafts),
-    (names.DRAFT_TOKENS, names.UNIT_TOKEN, _per_position(accepted=False)),
-    (names.ACCEPTED_TOKENS, names.UNIT_TOKEN, _per_position(accepted=True)),
-    (names.EMPTY_PROPOSALS, names.UNIT_PROPOSAL, _scalar("empty_proposals")),
-    (names.PADDING_TOKENS, names.UNIT_TOKEN, _scalar("padding_tokens")),
-)
+# How each counter of the contract (names.METRICS) is read from the totals.
+_COUNTER_SOURCES = {
+    names.DRAFTS: _drafts,
+    names.DRAFT_TOKENS: _per_position(accepted=False),
+    names.ACCEPTED_TOKENS: _per_position(accepted=True),
+    names.EMPTY_PROPOSALS: _scalar("empty_proposals"),
+    names.PADDING_TOKENS: _scalar("padding_tokens"),
+}
 
 
 def bind_counters(provider: Any, registry: TotalsRegistry | None) -> ExportGuard:
@@ -174,10 +175,13 @@ def bind_counters(provider: Any, registry: TotalsRegistry | None) -> ExportGuard
         if source is None:
             source = _counter_sources[provider] = _CounterSource()
             meter = provider.get_meter(names.METER_NAME, __version__)
-            for name, unit, observe in _COUNTER_SPECS:
+            for spec in names.METRICS:
+                if spec.instrument != names.COUNTER:
+                    continue  # histograms: added to each collection (HistogramInjector)
                 meter.create_observable_counter(
-                    name, callbacks=[_callback(source, observe, name)], unit=unit,
-                    description=names.DESCRIPTIONS[name],
+                    spec.name, callbacks=[_callback(source, _COUNTER_SOURCES[spec.name],
+                                                    spec.name)],
+                    unit=spec.unit, description=spec.description,
                 )
         source.registry = registry
         if registry is not None:
@@ -342,16 +346,15 @@ class HistogramInjector:
                 ))
         state.last_ns = now_ns
         out = []
-        for name, unit, points in (
-            (names.ACCEPTANCE_LENGTH, names.UNIT_TOKEN, lengths),
-            (names.REQUEST_ACCEPTANCE_RATE, names.UNIT_RATIO, rates),
-        ):
+        for name, points in ((names.ACCEPTANCE_LENGTH, lengths),
+                             (names.REQUEST_ACCEPTANCE_RATE, rates)):
             if points:
+                spec = names.METRIC_BY_NAME[name]
                 out.append(
                     Metric(
                         name=name,
-                        description=names.DESCRIPTIONS[name],
-                        unit=unit,
+                        description=spec.description,
+                        unit=spec.unit,
                         data=HistogramData(
                             data_points=points, aggregation_temporality=state.temporality
                         ),
