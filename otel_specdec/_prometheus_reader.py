@@ -18,6 +18,7 @@ from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from prometheus_client import CollectorRegistry, start_http_server
 
 from otel_specdec import _sdk_compat
+from otel_specdec import environment_variables as env_vars
 from otel_specdec._settings import ConfigError
 
 __all__ = ["ServedPrometheusReader"]
@@ -36,7 +37,7 @@ class ServedPrometheusReader(PrometheusMetricReader):  # type: ignore[misc]
         except OSError as exc:
             _sdk_compat.shutdown_prometheus_reader(self, registry, 30_000)
             raise ConfigError(
-                "OTEL_EXPORTER_PROMETHEUS_PORT", str(port),
+                env_vars.OTEL_EXPORTER_PROMETHEUS_PORT, str(port),
                 f"a free port on {host} ({exc.strerror or exc})",
             ) from None
         # prometheus_client >= 0.20 returns (server, thread); earlier, None.

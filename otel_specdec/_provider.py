@@ -24,6 +24,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 
+from otel_specdec import environment_variables as env_vars
 from otel_specdec._instruments import RES_DP_RANK
 from otel_specdec._settings import ExportSettings, env_value
 
@@ -91,9 +92,8 @@ def _otlp_exporter(settings: ExportSettings) -> Any:
 
 def _http_ca_file_configured() -> bool:
     """A CA file is set and no credential provider supplies its own session."""
-    has_ca = any(env_value(f"OTEL_EXPORTER_OTLP{part}_CERTIFICATE") for part in ("", "_METRICS"))
-    providers = ("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
-                 "OTEL_PYTHON_EXPORTER_OTLP_HTTP_METRICS_CREDENTIAL_PROVIDER")
+    has_ca = any(env_value(name) for name in env_vars.otlp_variables("CERTIFICATE"))
+    providers = env_vars.OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDERS
     return has_ca and not any(env_value(name) for name in providers)
 
 
@@ -121,9 +121,9 @@ def build_resource(data_parallel_rank: int) -> Resource:
         "process.pid": os.getpid(),
         RES_DP_RANK: data_parallel_rank,
     }
-    env_attrs = env_value("OTEL_RESOURCE_ATTRIBUTES") or ""
+    env_attrs = env_value(env_vars.OTEL_RESOURCE_ATTRIBUTES) or ""
     env_keys = {pair.split("=", 1)[0].strip() for pair in env_attrs.split(",") if "=" in pair}
-    if not env_value("OTEL_SERVICE_NAME") and "service.name" not in env_keys:
+    if not env_value(env_vars.OTEL_SERVICE_NAME) and "service.name" not in env_keys:
         attributes["service.name"] = "vllm"
     # Settings from the environment win over the defaults above.
     for key in env_keys & set(attributes):

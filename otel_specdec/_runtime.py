@@ -20,6 +20,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 
 from otel_specdec import _provider, _sdk_compat, _tracing, _vllm_compat
+from otel_specdec import environment_variables as env_vars
 from otel_specdec._accounting import StepAccountant
 from otel_specdec._bounded import Deadline, call_within
 from otel_specdec._instruments import RES_DP_RANK
@@ -226,8 +227,8 @@ def get_or_create(info: EngineInfo) -> Runtime | None:
             except Exception as exc:  # an exporter rejecting what the checks let through
                 return _disable_metrics(f"the exporter could not be built ({exc})")
             if provider is None:
-                _disabled_reason = "OTEL_METRICS_EXPORTER=none"
-                _logger.info("otel_specdec: OTEL_METRICS_EXPORTER=none, metrics are off")
+                _disabled_reason = f"{env_vars.OTEL_METRICS_EXPORTER}=none"
+                _logger.info("otel_specdec: %s, metrics are off", _disabled_reason)
                 return None
         _runtime = Runtime(provider, settings, info.data_parallel_rank, delivery)
         if settings is not None:

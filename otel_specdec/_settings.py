@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from otel_specdec import environment_variables as env_vars
+
 __all__ = [
     "PROTOCOLS",
     "SHUTDOWN_TIMEOUT_ENV",
@@ -55,7 +57,7 @@ MILLISECONDS_FROM = 1000.0
 # The plugin's whole shutdown (final metrics export, then spans): its own
 # bound, whatever the export timeouts say. The ceiling keeps any setting
 # within what orchestrators grant a stopping process.
-SHUTDOWN_TIMEOUT_ENV = "OTEL_SPECDEC_SHUTDOWN_TIMEOUT"
+SHUTDOWN_TIMEOUT_ENV = env_vars.OTEL_SPECDEC_SHUTDOWN_TIMEOUT
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 MAX_SHUTDOWN_TIMEOUT_S = 120.0
 DEFAULT_INTERVAL_MS = 60_000.0
@@ -101,7 +103,7 @@ def env_value(name: str) -> str | None:
 def otlp_setting(name: str, signal: str = "METRICS") -> tuple[str, str] | None:
     """``(variable, value)`` of the effective OTLP setting ``name`` for
     ``signal`` (the signal's own variable wins over the general one), if set."""
-    for variable in (f"OTEL_EXPORTER_OTLP_{signal}_{name}", f"OTEL_EXPORTER_OTLP_{name}"):
+    for variable in env_vars.otlp_variables(name, signal):
         value = env_value(variable)
         if value is not None:
             return variable, value
@@ -123,11 +125,11 @@ def redact_url(value: str) -> str:
 
 
 def _exporters() -> tuple[str, ...]:
-    raw = env_value("OTEL_METRICS_EXPORTER") or "otlp"
+    raw = env_value(env_vars.OTEL_METRICS_EXPORTER) or "otlp"
     chosen = [name.strip().lower() for name in raw.split(",") if name.strip()]
     for name in chosen:
         if name not in EXPORTERS:
-            raise ConfigError("OTEL_METRICS_EXPORTER", repr(raw), " or ".join(EXPORTERS))
+            raise ConfigError(env_vars.OTEL_METRICS_EXPORTER, repr(raw), " or ".join(EXPORTERS))
     return tuple(name for name in chosen if name != "none")
 
 
@@ -136,18 +138,19 @@ def _check_prometheus_package() -> None:
         import opentelemetry.exporter.prometheus  # noqa: F401
     except ImportError:
         raise ConfigError(
-            "OTEL_METRICS_EXPORTER", "prometheus",
+            env_vars.OTEL_METRICS_EXPORTER, "prometheus",
             "an installed opentelemetry-exporter-prometheus "
             "(pip install 'otel-specdec[prometheus]')",
         ) from None
 
 
 def _prometheus_port() -> int:
-    raw = env_value("OTEL_EXPORTER_PROMETHEUS_PORT")
+    raw = env_value(env_vars.OTEL_EXPORTER_PROMETHEUS_PORT)
     if raw is None:
         return DEFAULT_PROMETHEUS_PORT
     if not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise ConfigError("OTEL_EXPORTER_PROMETHEUS_PORT", repr(raw), "a port number, 1-65535")
+        raise ConfigError(env_vars.OTEL_EXPORTER_PROMETHEUS_PORT, repr(raw),
+                          "a port number, 1-65535")
     return int(raw)
 
 
@@ -332,11 +335,12 @@ def read_settings() -> ExportSettings:
         protocol=protocol,
         otlp_timeout_s=otlp_timeout_s() if "otlp" in exporters else DEFAULT_OTLP_TIMEOUT_S,
         interval_ms=_positive_number(
-            "OTEL_METRIC_EXPORT_INTERVAL", DEFAULT_INTERVAL_MS, "milliseconds"),
+            env_vars.OTEL_METRIC_EXPORT_INTERVAL, DEFAULT_INTERVAL_MS, "milliseconds"),
         export_timeout_ms=_positive_number(
-            "OTEL_METRIC_EXPORT_TIMEOUT", DEFAULT_EXPORT_TIMEOUT_MS, "milliseconds"),
+            env_vars.OTEL_METRIC_EXPORT_TIMEOUT, DEFAULT_EXPORT_TIMEOUT_MS, "milliseconds"),
         shutdown_budget_s=shutdown_budget_s(),
-        prometheus_host=env_value("OTEL_EXPORTER_PROMETHEUS_HOST") or DEFAULT_PROMETHEUS_HOST,
+        prometheus_host=(env_value(env_vars.OTEL_EXPORTER_PROMETHEUS_HOST)
+                         or DEFAULT_PROMETHEUS_HOST),
         prometheus_port=_prometheus_port() if "prometheus" in exporters
         else DEFAULT_PROMETHEUS_PORT,
     )

@@ -35,6 +35,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_specdec import _instruments as names
+from otel_specdec import environment_variables as env_vars
 from otel_specdec._bounded import Deadline, call_within
 from otel_specdec._settings import (
     PROTOCOLS,
@@ -57,7 +58,7 @@ __all__ = [
 
 _logger = logging.getLogger(__name__)
 
-ENABLE_ENV = "OTEL_SPECDEC_TRACES"
+ENABLE_ENV = env_vars.OTEL_SPECDEC_TRACES
 TRACE_EXPORTERS = ("otlp", "console", "none")
 # Finished requests waiting for their span; beyond this they are dropped
 # (counted, logged once) rather than growing memory.
@@ -81,11 +82,12 @@ def enabled(report: bool = True) -> bool:
 
 
 def _exporters() -> list[str]:
-    raw = env_value("OTEL_TRACES_EXPORTER") or "otlp"
+    raw = env_value(env_vars.OTEL_TRACES_EXPORTER) or "otlp"
     chosen = [name.strip().lower() for name in raw.split(",") if name.strip()]
     for name in chosen:
         if name not in TRACE_EXPORTERS:
-            raise ConfigError("OTEL_TRACES_EXPORTER", repr(raw), " or ".join(TRACE_EXPORTERS))
+            raise ConfigError(env_vars.OTEL_TRACES_EXPORTER, repr(raw),
+                              " or ".join(TRACE_EXPORTERS))
     return [name for name in chosen if name != "none"]
 
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 
+from otel_specdec import environment_variables as env_vars
+
 __all__ = ["register"]
 
 _logger = logging.getLogger(__name__)
 
 # Set to "0"/"false" to keep the plugin installed but inactive.
-ENABLE_ENV = "OTEL_SPECDEC_ENABLED"
+ENABLE_ENV = env_vars.OTEL_SPECDEC_ENABLED
 
 
 def _enabled() -> bool:
