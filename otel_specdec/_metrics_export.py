@@ -38,52 +38,12 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from otel_specdec import _instruments as names
 from otel_specdec import _sdk_compat
-from otel_specdec._accounting import SpecDecodeTotals, TotalsSnapshot
+from otel_specdec._totals import SpecDecodeTotals, TotalsRegistry, TotalsSnapshot
 from otel_specdec.version import __version__
 
-__all__ = ["ExportGuard", "HistogramInjector", "TotalsRegistry", "bind_counters"]
+__all__ = ["ExportGuard", "HistogramInjector", "bind_counters"]
 
 _logger = logging.getLogger(__name__)
-
-
-class TotalsRegistry:
-    """All totals entries of this process, one per attribute set."""
-
-    def __init__(self) -> None:
-        self._entries: dict[tuple[tuple[str, Any], ...], SpecDecodeTotals] = {}
-        self._tracker_keys: list[int] = []
-        self._lock = threading.Lock()
-        self.pid = os.getpid()
-
-    def totals_for(self, attributes: dict[str, Any], k: int) -> SpecDecodeTotals:
-        key = tuple(sorted(attributes.items()))
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = SpecDecodeTotals(attributes, k)
-                for tracker_key in self._tracker_keys:
-                    entry.rate_trackers[tracker_key] = [float("inf"), float("-inf")]
-            return entry
-
-    def add_rate_tracker(self, key: int) -> None:
-        """Track request-rate min/max for one reader from now on."""
-        with self._lock:
-            self._tracker_keys.append(key)
-            for entry in self._entries.values():
-                entry.rate_trackers[key] = [float("inf"), float("-inf")]
-
-    def data_points(self) -> int:
-        """How many data points one collection of these totals exports."""
-        # Per series: drafts, empty proposals, padding and the two
-        # histograms, plus drafted and accepted tokens at each position.
-        return sum(5 + 2 * entry.num_speculative_tokens for entry in self.entries())
-
-    def entries(self) -> list[SpecDecodeTotals]:
-        # A forked child must not report its parent's totals.
-        if os.getpid() != self.pid:
-            return []
-        with self._lock:
-            return list(self._entries.values())
 
 
 def _with_position(attributes: dict[str, Any], position: int) -> dict[str, Any]:

@@ -42,7 +42,7 @@ static const char *const field_roles[N_FIELDS] = {
     "sampled", "row_of", "rows", "kv_output", "kv_failed", "stale_tokens",
 };
 /* SpecDecodeTotals.step_counts, slot by slot: the constructor checks the
- * names it is given (_accounting.STEP_COUNTS) against these. */
+ * names it is given (_totals.STEP_COUNTS) against these. */
 enum { COUNT_EMPTY, COUNT_PADDING, N_COUNTS };
 static const char *const count_roles[N_COUNTS] = {"empty_proposals", "padding_tokens"};
 

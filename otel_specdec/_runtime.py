@@ -24,7 +24,7 @@ from otel_specdec import environment_variables as env_vars
 from otel_specdec._accounting import StepAccountant
 from otel_specdec._bounded import Deadline, call_within
 from otel_specdec._instruments import RES_DP_RANK
-from otel_specdec._metrics_export import HistogramInjector, TotalsRegistry, bind_counters
+from otel_specdec._metrics_export import HistogramInjector, bind_counters
 from otel_specdec._settings import (
     SHUTDOWN_TIMEOUT_ENV,
     ConfigError,
@@ -32,6 +32,7 @@ from otel_specdec._settings import (
     read_settings,
     shutdown_budget_s,
 )
+from otel_specdec._totals import TotalsRegistry
 from otel_specdec._vllm_compat import EngineInfo
 
 __all__ = [

@@ -18,7 +18,7 @@ from otel_helpers import points, total
 from scheduler_harness import SchedulerHarness, build_scheduler
 
 from otel_specdec import SpecDecodeInstrumentor, _patch, _runtime, _vllm_compat
-from otel_specdec._accounting import SpecDecodeTotals, StepAccountant
+from otel_specdec._accounting import StepAccountant
 from otel_specdec._instruments import (
     ATTR_METHOD,
     ATTR_MODEL,
@@ -26,6 +26,7 @@ from otel_specdec._instruments import (
     ATTR_POSITION,
     MAX_MODEL_NAME_LEN,
 )
+from otel_specdec._totals import SpecDecodeTotals
 from otel_specdec.demo.receiver import OtlpReceiver
 
 K = 3

@@ -22,7 +22,8 @@ from opentelemetry.sdk.resources import Resource
 from otel_sdk_set import CHILD_ENV, SETS_ROOT, install_set, pinned, requirements, run_tests
 
 from otel_specdec import _sdk_compat
-from otel_specdec._metrics_export import ExportGuard, HistogramInjector, TotalsRegistry
+from otel_specdec._metrics_export import ExportGuard, HistogramInjector
+from otel_specdec._totals import TotalsRegistry
 
 # --- the private attributes are where _sdk_compat looks (this SDK) --------
 
