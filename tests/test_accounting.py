@@ -527,3 +527,63 @@ def test_finished_request_held_by_a_kv_connector_is_skipped(tiny_model, reader,
     point = histogram(data, REQ_RATE)
     assert point.count == len(rates) == len(ids)
     assert point.sum == pytest.approx(sum(rates))
+
+
+def _churn_stream(harness: SchedulerHarness) -> None:
+    """A fixed stream: arrivals, varied drafts (empty, short, padded), aborts
+    while a step is in flight, finishing requests."""
+    import random
+
+    rng = random.Random(11)
+    for step in range(90):
+        if step < 60 and len(harness.scheduler.requests) < 48:
+            harness.add_requests(rng.randint(0, 5), prompt_len=rng.choice([1, 8]),
+                                 max_tokens=rng.randint(3, 30))
+        so = harness.schedule()
+        if step % 9 == 4 and so.num_scheduled_tokens:
+            harness.abort(rng.choice(sorted(so.num_scheduled_tokens)))
+        output = harness.model_output(so, lambda r, d, s=step: (len(r) * 3 + s) % (len(d) + 1))
+        harness.update(so, output)
+
+        def propose(req_id: str, s: int = step) -> list[int]:
+            n = (len(req_id) + s) % (K + 2)
+            drafts = [20 + i for i in range(min(n, K))]
+            return drafts[:-1] + [-1] if n == K + 1 and drafts else drafts  # padded now and then
+
+        harness.propose(so, propose)
+
+
+def test_one_stream_gives_identical_totals_through_every_implementation(tiny_model, reader,
+                                                                       monkeypatch):
+    # The same stream through the exact path (the reference), the pure-Python
+    # vectorised path and the C pass: every total, empty proposals, padding
+    # and the per-request rate histogram (buckets, sum, min, max) agree
+    # exactly, and each took its own path.
+    from otel_specdec import _accounting
+
+    native = _accounting.NATIVE_SCANNER
+    assert native is not None, "the C accelerator was not built"
+    results = {}
+    for path, scanner, vectorise_from in (("exact", None, 10**9), ("vectorised", None, 1),
+                                          ("native", native, 1)):
+        monkeypatch.setattr(_accounting, "NATIVE_SCANNER", scanner)
+        monkeypatch.setattr(_accounting, "VECTORISE_FROM_BATCH", vectorise_from)
+        harness = SchedulerHarness(build_scheduler(tiny_model, K, served_model_name=path))
+        _churn_stream(harness)
+        accountant = harness.scheduler.__dict__["_otel_specdec_accountant"][1]
+        steps = accountant.steps_by_path()
+        assert steps[path] > 0, (path, steps)
+        totals = accountant.totals
+        tracker_min_max = sorted(tuple(t) for t in totals.rate_trackers.values())
+        results[path] = (totals.snapshot(), tracker_min_max, harness.vllm)
+    reference = results["exact"]
+    assert reference[0].accepted_hist[1:] and sum(reference[0].rate_buckets) > 30
+    assert reference[0].empty_proposals > 0 and reference[0].padding_tokens > 0
+    for path in ("vectorised", "native"):
+        snapshot = results[path][0]
+        # The C pass adds a step's rates to the sum at once: the float sum
+        # may differ in its last bits from the one-by-one sum.
+        assert snapshot._replace(rate_sum=0.0) == reference[0]._replace(rate_sum=0.0), path
+        assert snapshot.rate_sum == pytest.approx(reference[0].rate_sum, rel=1e-12), path
+        assert results[path][1] == reference[1], path
+    assert results["exact"][2] == results["native"][2]  # vLLM saw the same stream
