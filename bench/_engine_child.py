@@ -78,9 +78,23 @@ def _toggle_rounds(llm: Any, prompts: list[str], params: Any, rounds: int) -> li
     return out
 
 
+def _choose_accounting(accounting: str) -> None:
+    """Take the pure-Python fallbacks, as where the C pass was not built
+    (in-process engine only: the choice is made in this process)."""
+    if accounting == "native":
+        return
+    from otel_specdec import _accounting
+
+    _accounting.NATIVE_SCANNER = None
+    if accounting == "exact":
+        _accounting.VECTORISE_FROM_BATCH = 10**9
+
+
 def main() -> None:
     config: dict[str, Any] = json.loads(sys.argv[1])
     from vllm import LLM, SamplingParams
+
+    _choose_accounting(config.get("accounting", "native"))
 
     llm = LLM(
         model=config["model"],
@@ -99,14 +113,15 @@ def main() -> None:
     elif config["mode"] == "toggle":
         result["rounds"] = _toggle_rounds(llm, prompts, params, config["rounds"])
     else:
-        rss = []
+        rss, states = [], []
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         for _ in range(config["waves"]):
             llm.generate(prompts, params, use_tqdm=False)
             gc.collect()
             rss.append(_engine_rss_bytes())
-        result.update(rss_bytes=rss, requests_per_wave=len(prompts))
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-            result["plugin_state"] = _plugin_state(llm)
+            if in_process:
+                states.append(_plugin_state(llm))
+        result.update(rss_bytes=rss, requests_per_wave=len(prompts), plugin_states=states)
     print(PREFIX + json.dumps(result), flush=True)
     del llm
 
