@@ -54,6 +54,15 @@ def assert_matches_vllm(harness: SchedulerHarness, data) -> None:
     assert length.sum == vllm.drafts + vllm.accepted_tokens
 
 
+def assert_matches_vllm_per_request(harness: SchedulerHarness, data, requests: int) -> None:
+    """Totals as vLLM's, and one acceptance rate per request, as vLLM's."""
+    assert_matches_vllm(harness, data)
+    rates = [a / d for d, a in harness.per_request().values() if d]
+    point = histogram(data, REQ_RATE)
+    assert point.count == len(rates) == requests
+    assert point.sum == pytest.approx(sum(rates))
+
+
 @pytest.fixture(params=["exact", "vectorised", "native"])
 def accounting_path(request, monkeypatch) -> Iterator[str]:
     """Run each test through every accounting path (they must agree with vLLM).
@@ -436,12 +445,7 @@ def test_preempted_requests_match_vllm(tiny_model, reader, accounting_path, asyn
     assert len(preempted) >= 3
     if async_scheduling and vllm_release() >= (0, 27):
         assert stale_steps > 0  # the case this test is for (stale output: vLLM 0.27+)
-    data = reader.get_metrics_data()
-    assert_matches_vllm(harness, data)
-    rates = [a / d for d, a in harness.per_request().values() if d]
-    point = histogram(data, REQ_RATE)
-    assert point.count == len(rates) == len(ids)
-    assert point.sum == pytest.approx(sum(rates))
+    assert_matches_vllm_per_request(harness, reader.get_metrics_data(), len(ids))
 
 
 def test_dynamic_speculative_decoding_k_follows_the_batch(tiny_model, reader, accounting_path):
@@ -523,12 +527,7 @@ def test_finished_request_held_by_a_kv_connector_is_skipped(tiny_model, reader,
         harness.update(done, output)
     assert held_rows > 0  # the case under test happened
     assert all(harness.scheduler.requests[r].is_finished() for r in ids)  # all held
-    data = reader.get_metrics_data()
-    assert_matches_vllm(harness, data)
-    rates = [a / d for d, a in harness.per_request().values() if d]
-    point = histogram(data, REQ_RATE)
-    assert point.count == len(rates) == len(ids)
-    assert point.sum == pytest.approx(sum(rates))
+    assert_matches_vllm_per_request(harness, reader.get_metrics_data(), len(ids))
 
 
 def _churn_stream(harness: SchedulerHarness) -> None:
