@@ -59,3 +59,38 @@ def test_optional_field_absent_resolves_to_none(monkeypatch):
     assert _vllm_compat.host_layout().fields.row_of is None
     monkeypatch.undo()
     _vllm_compat.check_scheduler()
+
+
+def test_c_pass_checks_the_facts_it_shares_with_python():
+    """The C pass is handed its field names by role, the count slots by name
+    and the prune interval by value; a list that drifted from its own is
+    refused at construction, not miscounted."""
+    import pytest
+
+    from otel_specdec import _accounting, _instruments
+    from otel_specdec._totals import STEP_COUNTS, SpecDecodeTotals
+    from otel_specdec._vllm_compat import STEP_FIELDS
+
+    scanner = _accounting.NATIVE_SCANNER
+    if scanner is None:
+        pytest.skip("the C accelerator was not built")
+    totals = SpecDecodeTotals({}, 3)
+
+    def build(fields=None, counts=STEP_COUNTS, prune_every=8):
+        fields = STEP_FIELDS._asdict() if fields is None else fields
+        return scanner(totals, {}, _instruments.REQUEST_RATE_BOUNDS, fields, counts,
+                       track_padding=True, in_flight=False, skip_finished=True,
+                       finished_above=None, keep_steps=4, prune_every=prune_every,
+                       sweep_every=4096)
+
+    build()
+    with pytest.raises(ValueError, match="count slot"):
+        build(counts=tuple(reversed(STEP_COUNTS)))
+    with pytest.raises(ValueError, match="fields expected|no field for role"):
+        build(fields={**STEP_FIELDS._asdict(), "renamed": None})
+    with pytest.raises(ValueError, match="no field for role"):
+        fields = STEP_FIELDS._asdict()
+        fields["other"] = fields.pop("rows")
+        build(fields=fields)
+    with pytest.raises(ValueError, match="prune_every"):
+        build(prune_every=0)
