@@ -48,6 +48,7 @@ from otel_specdec._vllm_compat import (
     AccountingRules,
     StepFields,
     is_decoding,
+    step_inputs,
 )
 
 try:
@@ -96,6 +97,11 @@ class RequestSpanSink(Protocol):
 class StepAccountant:
     """Per-scheduler accounting: feeds one ``SpecDecodeTotals`` each step.
 
+    The patch calls two methods: ``account_step`` before the host's update
+    and ``end_step`` after it. Everything else is chosen here, once, at
+    construction (the C pass where it was built) and per step (a step the C
+    pass declines goes to the Python paths).
+
     Three paths compute the same numbers. The exact path is a Python loop
     that follows vLLM's own loop request by request; it serves every unusual
     step (grammar-invalidated drafts, failed KV loads, stale output after a
@@ -104,8 +110,7 @@ class StepAccountant:
     accelerator was built, every other step is taken by ``step_fast``
     (``_rowscan.Scanner.step``: one call per step, which reads the step's
     inputs, passes over the rows once with tallies kept by row in C arrays,
-    and adds to the totals itself), called by the patch without going
-    through ``observe_step``. Without it, the common step of a large batch
+    and adds to the totals itself). Without it, the common step of a large batch
     takes the pure-Python vectorised path (builtin passes over
     ``RowTallies``) and small batches the exact path.
 
@@ -216,6 +221,31 @@ class StepAccountant:
         fast = scanner is not None and spans is None and num_sampled_per_step == 1
         self.step_fast: Any = scanner.step if fast else None
         self.release_fast: Any = scanner.release if fast else self.release
+
+    def account_step(self, scheduler_output: Any, model_runner_output: Any,
+                     freed: Collection[str] | None) -> None:
+        """The step, before the host's update: the one entry point of the patch.
+
+        ``freed``: the scheduler's requests freed since the step's schedule.
+        The C pass takes the step where it can (True: done; a tuple: done
+        but for rows it leaves to Python; None: declined, nothing changed);
+        otherwise the Python paths take it from the step's inputs.
+        """
+        step_fast = self.step_fast
+        if step_fast is not None:
+            done = step_fast(scheduler_output, model_runner_output, freed)
+            if done is True:
+                return
+            if done is not None:
+                self.finish_fast_step(done)
+                return
+        if freed:
+            self.release(freed)
+        self.observe_step(*step_inputs(scheduler_output, model_runner_output, self.fields))
+
+    def end_step(self, finished: Collection[str] | None) -> None:
+        """After the host's update: the requests it finished are released."""
+        self.release_fast(finished, True)
 
     def finish_fast_step(self, leftovers: tuple[list[str] | None, list[tuple[int, int]] | None]
                          ) -> None:

@@ -156,20 +156,8 @@ def _update_hook(original: Callable[..., Any]) -> Callable[..., Any]:
                     scheduler_output, model_runner_output = _split_update_args(args, kwargs)
                 # Requests freed since the schedule (an abort while this step
                 # ran): released first, and skipped as vLLM skips them.
-                freed = getattr(self, _vllm_compat.FINISHED_IDS_ATTR, None)
-                step_fast = accountant.step_fast
-                done = (
-                    step_fast(scheduler_output, model_runner_output, freed)
-                    if step_fast is not None else None
-                )
-                if done is None:  # declined, or no C pass: the Python paths
-                    if freed:
-                        accountant.release(freed)
-                    accountant.observe_step(*_vllm_compat.step_inputs(
-                        scheduler_output, model_runner_output, accountant.fields
-                    ))
-                elif done is not True:
-                    accountant.finish_fast_step(done)
+                accountant.account_step(scheduler_output, model_runner_output,
+                                        getattr(self, _vllm_compat.FINISHED_IDS_ATTR, None))
         except Exception:
             accountant = None
             _disable(self, "Scheduler.update_from_output")
@@ -178,9 +166,7 @@ def _update_hook(original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 # Requests this update finished: their rates are exported
                 # now, even if the engine then goes idle.
-                accountant.release_fast(
-                    getattr(self, _vllm_compat.FINISHED_IDS_ATTR, None), True
-                )
+                accountant.end_step(getattr(self, _vllm_compat.FINISHED_IDS_ATTR, None))
             except Exception:
                 _disable(self, "Scheduler.update_from_output")
         return result
