@@ -129,7 +129,7 @@ def _time_own_calls(scheduler: Any, own_t: list[float]) -> None:
     from otel_specdec._patch import _ACCOUNTANT_ATTR
 
     accountant = scheduler.__dict__[_ACCOUNTANT_ATTR][1]
-    calls = [accountant.step_fast, accountant.release_fast]
+    calls = [accountant.step_fast, accountant.end_step]
     pending = [0.0]
 
     def timed(i: int) -> Any:
@@ -143,12 +143,12 @@ def _time_own_calls(scheduler: Any, own_t: list[float]) -> None:
                 return call(*args)
             finally:
                 pending[0] += time.perf_counter() - t0
-                if i == 1:  # the release ends the step
+                if i == 1:  # end_step (the release) ends the step
                     own_t.append(pending[0])
                     pending[0] = 0.0
         return run
 
-    accountant.step_fast, accountant.release_fast = timed(0), timed(1)
+    accountant.step_fast, accountant.end_step = timed(0), timed(1)
 
 
 def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = False,

@@ -124,6 +124,7 @@ class StepAccountant:
         "vectorise_from",
         "step_fast",
         "release_fast",
+        "end_step",
         "_requests",
         "_tallies",
         "_scanner",
@@ -221,6 +222,9 @@ class StepAccountant:
         fast = scanner is not None and spans is None and num_sampled_per_step == 1
         self.step_fast: Any = scanner.step if fast else None
         self.release_fast: Any = scanner.release if fast else self.release
+        # After the host's update (see end_step); the C pass's own where it
+        # serves, saving a Python call per step.
+        self.end_step: Any = scanner.end_step if fast else self._end_step
 
     def account_step(self, scheduler_output: Any, model_runner_output: Any,
                      freed: Collection[str] | None) -> None:
@@ -243,9 +247,10 @@ class StepAccountant:
             self.release(freed)
         self.observe_step(*step_inputs(scheduler_output, model_runner_output, self.fields))
 
-    def end_step(self, finished: Collection[str] | None) -> None:
-        """After the host's update: the requests it finished are released."""
-        self.release_fast(finished, True)
+    def _end_step(self, finished: Collection[str] | None) -> None:
+        """``end_step``: after the host's update, the requests it finished
+        are released (and the step's batch index let go)."""
+        self.release(finished, True)
 
     def finish_fast_step(self, leftovers: tuple[list[str] | None, list[tuple[int, int]] | None]
                          ) -> None:

@@ -901,6 +901,13 @@ Scanner_release(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
+Scanner_end_step(Scanner *self, PyObject *ids)
+{
+    PyObject *args[2] = {ids, Py_True};
+    return Scanner_release(self, args, 2);
+}
+
+static PyObject *
 Scanner_add_spilled(Scanner *self, PyObject *args)
 {
     PyObject *req_id;
@@ -1189,6 +1196,8 @@ Scanner_set_check_stale(Scanner *self, PyObject *value, void *closure)
 static PyMethodDef Scanner_methods[] = {
     {"step", (PyCFunction)(void (*)(void))Scanner_step, METH_FASTCALL, step_doc},
     {"release", (PyCFunction)(void (*)(void))Scanner_release, METH_FASTCALL, release_doc},
+    {"end_step", (PyCFunction)Scanner_end_step, METH_O,
+     "end_step(ids): release(ids, end_of_step=True), after the host's update"},
     {"add_spilled", (PyCFunction)Scanner_add_spilled, METH_VARARGS,
      "add_spilled(req_id, drafted, accepted): add to a request's tally outside the rows"},
     {"drop_missing", (PyCFunction)Scanner_drop_missing, METH_O,
