@@ -201,11 +201,13 @@ def test_api_server_sigterm_with_faulty_collector(tiny_model, healthy_server, ki
     assert seconds <= healthy_server["stop_seconds"] + SERVER_BUDGET_S + SLACK_S, (
         seconds, healthy_server["stop_seconds"], log[-4000:])
     assert log.count(UNIT_WARNING) == data_parallel, log[-4000:]
-    # One line per engine that reached its final export. Seen: with two
-    # data-parallel engines over gRPC, the line did not always reach the
-    # server's log (the bound above held); not yet explained.
-    cut = log.count(CUT_WARNING)
-    assert cut == 1 if data_parallel == 1 else cut <= data_parallel, log[-4000:]
+    # At most one line per engine. An engine logs it when its budget runs
+    # out; one that vLLM's process manager has already SIGKILLed (its grace
+    # is the budget plus a teardown margin, which a loaded machine can
+    # overrun) cannot. Seen over gRPC with two engines, and once with one on
+    # a loaded machine; the bound above held each time. The offline
+    # matrices assert the line exactly.
+    assert log.count(CUT_WARNING) <= data_parallel, log[-4000:]
 
 
 def _engine_core(parent_pid: int) -> psutil.Process:
