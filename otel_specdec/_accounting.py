@@ -123,7 +123,6 @@ class StepAccountant:
         "fields",
         "vectorise_from",
         "step_fast",
-        "release_fast",
         "end_step",
         "_requests",
         "_tallies",
@@ -216,12 +215,11 @@ class StepAccountant:
         self._details = RequestDetails(totals.num_speculative_tokens) if spans else None
         if spans is not None:
             self.vectorise_from = sys.maxsize
-        # What the patch calls each step: the C pass's step (None: call
-        # observe_step), and release or the C pass's own.
+        # What account_step and end_step use each step: the C pass's step
+        # (None: observe_step), and release or the C pass's own.
         scanner = self._scanner
         fast = scanner is not None and spans is None and num_sampled_per_step == 1
         self.step_fast: Any = scanner.step if fast else None
-        self.release_fast: Any = scanner.release if fast else self.release
         # After the host's update (see end_step); the C pass's own where it
         # serves, saving a Python call per step.
         self.end_step: Any = scanner.end_step if fast else self._end_step
@@ -330,7 +328,8 @@ class StepAccountant:
         if self._step % _PRUNE_FREED_EVERY_STEPS == 0 and self._freed:
             self._prune_freed()
         if self._step % _SWEEP_EVERY_STEPS == 0:
-            self._tallies.drop_missing(self._requests)
+            if scanner is None:  # the C pass sweeps its own (advance above)
+                self._tallies.drop_missing(self._requests)
             if self._details is not None:
                 self._details.drop_missing(self._requests)
 
