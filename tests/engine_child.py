@@ -70,10 +70,7 @@ def _generate_with_headers(llm: Any, config: dict[str, Any], result: dict[str, A
             if output.finished:
                 finished[output.request_id] = output
     outputs = [finished[f"traced-{i}"] for i in range(len(prompts))]
-    result.setdefault("gen_seconds", []).append(time.perf_counter() - start)
-    result.setdefault("output_tokens", []).append(
-        sum(len(o.outputs[0].token_ids) for o in outputs))
-    result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+    engine_run.record_round(result, outputs, time.perf_counter() - start)
 
 
 def _run_in_scope(config: dict[str, Any], result: dict[str, Any]) -> None:

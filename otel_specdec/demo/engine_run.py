@@ -19,8 +19,8 @@ from typing import Any
 from otel_specdec.demo.receiver import add_elementwise
 
 __all__ = [
-    "DEFAULT_PROMPTS", "RESULT_PREFIX", "build_llm", "generate", "run", "run_in_child",
-    "sampling_params", "vllm_counters",
+    "DEFAULT_PROMPTS", "RESULT_PREFIX", "build_llm", "generate", "record_round", "run",
+    "run_in_child", "sampling_params", "vllm_counters",
 ]
 
 RESULT_PREFIX = "OTEL_SPECDEC_RESULT "
@@ -78,15 +78,20 @@ def sampling_params(config: dict[str, Any]) -> Any:
                           ignore_eos=True)
 
 
-def generate(llm: Any, config: dict[str, Any], result: dict[str, Any]) -> list[Any]:
-    """One round of greedy generation; its time, tokens and token ids go to ``result``."""
-    prompts = config.get("prompts") or DEFAULT_PROMPTS
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, sampling_params(config), use_tqdm=False)
-    result.setdefault("gen_seconds", []).append(time.perf_counter() - start)
+def record_round(result: dict[str, Any], outputs: list[Any], seconds: float) -> None:
+    """One round's time, output tokens and token ids, into ``result``."""
+    result.setdefault("gen_seconds", []).append(seconds)
     result.setdefault("output_tokens", []).append(
         sum(len(o.outputs[0].token_ids) for o in outputs))
     result["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def generate(llm: Any, config: dict[str, Any], result: dict[str, Any]) -> list[Any]:
+    """One round of greedy generation, recorded in ``result``."""
+    prompts = config.get("prompts") or DEFAULT_PROMPTS
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampling_params(config), use_tqdm=False)
+    record_round(result, outputs, time.perf_counter() - start)
     return outputs
 
 
