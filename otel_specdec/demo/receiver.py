@@ -168,7 +168,7 @@ class MetricsStore:
         return out
 
     def spec_decode_totals(self) -> dict[str, Any]:
-        """The totals comparable with vLLM's own counters (``_engine_run``)."""
+        """The totals comparable with vLLM's own counters (``engine_run.vllm_counters``)."""
         per_pos = self.by_attribute("vllm.spec_decode.accepted_tokens",
                                     "vllm.spec_decode.position")
         return {
