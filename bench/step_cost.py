@@ -104,6 +104,7 @@ class _Stream:
         self.rng = random.Random(seed)
         self.drafts = list(range(20, 20 + k))
         self.step_no = 0
+        self.schedule_t = 0.0
         self._so: Any = None
 
     def accept(self, req_id: str, d: list[int]) -> int:
@@ -113,10 +114,17 @@ class _Stream:
         return self.drafts
 
     def next_step(self) -> tuple[Any, Any]:
-        """Top the batch up, schedule, and make the model's output for it."""
+        """Top the batch up, schedule, and make the model's output for it.
+
+        The schedule is timed (``schedule_t``): the plugin patches nothing
+        there, but whatever it leaves behind in the update (memory, caches)
+        would show in the next schedule, so it is part of what it adds.
+        """
         for _ in range(self.batch - len(self.scheduler.requests)):
             self.harness.add_requests(1, max_tokens=self.rng.randint(64, 192))
+        t0 = time.perf_counter()
         self._so = self.harness.schedule()
+        self.schedule_t = time.perf_counter() - t0
         return self._so, self.harness.model_output(self._so, self.accept)
 
     def finish_step(self) -> None:
@@ -171,9 +179,12 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
     cls = type(plain.scheduler)
     original_update = cls.update_from_output.__wrapped__
     prom = _prometheus_side(plain.scheduler)
+    own_prom = _prometheus_side(with_plugin.scheduler)
     wrapped_t: list[float] = []
     plain_t: list[float] = []
     anchor_t: list[float] = []
+    # Each timed step's schedule, (with plugin, plain).
+    schedule_t: list[tuple[float, float]] = []
 
     # control: both streams unwrapped, to show the measurement's noise floor.
     update = (
@@ -185,6 +196,10 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
         t0 = time.perf_counter()
         update(so, mro)
         wrapped_t.append(time.perf_counter() - t0)
+        # The same statistics work as after the plain update (its time is
+        # not used): both sides then run identical code around the update,
+        # so neither inherits the other's cache state (see the docstring).
+        _time_anchor(with_plugin.scheduler, own_prom, so, _anchor_inputs(so, mro))
 
     def run_plain(so: Any, mro: Any) -> None:
         t0 = time.perf_counter()
@@ -205,14 +220,27 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
         else:
             run_plain(*plain.next_step())
             run_with_plugin(*with_plugin.next_step())
+        if step >= 3:
+            schedule_t.append((with_plugin.schedule_t, plain.schedule_t))
         with_plugin.finish_step()
         plain.finish_step()
+    diffs = [w - p for w, p in zip(wrapped_t, plain_t, strict=True)]
     return {
         "plain": statistics.median(plain_t),
         "wrapped": statistics.median(wrapped_t),
         # The same step of both streams, run back to back: the difference
         # of each pair cancels what varies from step to step.
-        "added": statistics.median(w - p for w, p in zip(wrapped_t, plain_t, strict=True)),
+        "added": statistics.median(diffs),
+        # Everything added over the run, per step: the mean counts the
+        # steps the median passes over (periodic pruning, bursts of
+        # finishing requests, the collector's pauses for what was allocated).
+        "plain_mean": statistics.fmean(plain_t),
+        "added_mean": statistics.fmean(diffs),
+        # The whole step, schedule included: (schedule + update) differences.
+        "step_added_mean": statistics.fmean(
+            d + sw - sp for d, (sw, sp) in zip(diffs, schedule_t, strict=True)),
+        "step_plain_mean": statistics.fmean(
+            p + sp for p, (_, sp) in zip(plain_t, schedule_t, strict=True)),
         "anchor": statistics.median(anchor_t),
         "own": statistics.median(own_t[3:]) if own_t[3:] else float("nan"),
     }
@@ -249,6 +277,9 @@ def main() -> None:
     parser.add_argument("--exact-only", action="store_true",
                         help="without the C accelerator, every step on the exact "
                              "(per-request) path")
+    parser.add_argument("--net", action="store_true",
+                        help="also run a control round beside each round and subtract "
+                             "its mean")
     parser.add_argument("--own-time", action="store_true",
                         help="also time the plugin's own calls inside the hook")
     args = parser.parse_args()
@@ -276,23 +307,42 @@ def main() -> None:
     print(f"request spans: {'on' if args.tracing else 'off'}; accounting: {accounting}"
           f"{'; CONTROL: no plugin on either side' if args.control else ''}")
     print(f"{'batch':>6} {'k':>3} {'unwrapped µs':>13} {'with plugin µs':>15} "
-          f"{'added µs':>9} {'added %':>8} {'vLLM stats µs':>14} {'added/vLLM':>11}  "
-          "added % per round")
+          f"{'added µs':>9} {'added %':>8} {'mean %':>7} {'step %':>7}"
+          f"{' net %' if args.net else ''} {'vLLM stats µs':>14} {'added/vLLM':>11}  "
+          "mean % per round")
     for batch in [int(b) for b in args.batches.split(",")]:
         for k in [int(x) for x in args.ks.split(",")]:
-            rounds = [measure(model_dir, batch, k, args.steps, args.control,
-                              plugin_first=i % 2 == 0, own_time=args.own_time)
-                      for i in range(args.rounds)]
-            r = {key: statistics.median(x[key] for x in rounds) for key in rounds[0]}
-            added = r["added"]
-            per_round = " ".join(f"{100 * x['added'] / x['plain']:.1f}" for x in rounds)
-            print(f"{batch:>6} {k:>3} {r['plain'] * 1e6:>13.1f} {r['wrapped'] * 1e6:>15.1f} "
-                  f"{added * 1e6:>9.1f} {100 * added / r['plain']:>7.1f}% "
-                  f"{r['anchor'] * 1e6:>14.1f} {added / r['anchor']:>11.2f}  {per_round}"
-                  + (f"  | own {r['own'] * 1e6:.1f} µs = {100 * r['own'] / r['plain']:.1f}%"
-                     if args.own_time else ""),
-                  flush=True)
+            rounds, controls = [], []
+            for i in range(args.rounds):
+                rounds.append(measure(model_dir, batch, k, args.steps, args.control,
+                                      plugin_first=i % 2 == 0, own_time=args.own_time))
+                if args.net:  # the noise floor, round by round beside the plugin's
+                    controls.append(measure(model_dir, batch, k, args.steps, True,
+                                            plugin_first=i % 2 == 1))
+            print(_row(batch, k, rounds, controls, args.own_time), flush=True)
 
+
+def _row(batch: int, k: int, rounds: list[dict[str, float]], controls: list[dict[str, float]],
+         own_time: bool) -> str:
+    """One printed line: medians across rounds; mean-based shares of the mean step."""
+    r = {key: statistics.median(x[key] for x in rounds) for key in rounds[0]}
+    added = r["added"]
+    mean_pct = [100 * x["added_mean"] / x["plain_mean"] for x in rounds]
+    step_pct = statistics.median(
+        100 * x["step_added_mean"] / x["step_plain_mean"] for x in rounds)
+    line = (f"{batch:>6} {k:>3} {r['plain'] * 1e6:>13.1f} {r['wrapped'] * 1e6:>15.1f} "
+            f"{added * 1e6:>9.1f} {100 * added / r['plain']:>7.1f}% "
+            f"{statistics.median(mean_pct):>6.1f}% {step_pct:>6.1f}%")
+    if controls:
+        # The plugin's mean minus the control's (both unwrapped), summed
+        # over rounds: what the plugin adds beyond the benchmark's own bias.
+        net = sum(x["added_mean"] for x in rounds) - sum(c["added_mean"] for c in controls)
+        line += f" {100 * net / sum(x['plain_mean'] for x in rounds):>5.1f}%"
+    line += (f" {r['anchor'] * 1e6:>14.1f} {added / r['anchor']:>11.2f}  "
+             + " ".join(f"{p:.1f}" for p in mean_pct))
+    if own_time:
+        line += f"  | own {r['own'] * 1e6:.1f} µs = {100 * r['own'] / r['plain']:.1f}%"
+    return line
 
 if __name__ == "__main__":
     main()

@@ -36,10 +36,10 @@ from collections import _count_elements  # type: ignore[attr-defined]
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from itertools import compress, filterfalse, repeat
 from operator import attrgetter, itemgetter
-from typing import Any, Protocol
+from typing import Any
 
 from otel_specdec._instruments import REQUEST_RATE_BOUNDS
-from otel_specdec._request_details import RequestDetails
+from otel_specdec._request_details import DetailHandover, RequestDetails
 from otel_specdec._row_tallies import RowTallies
 from otel_specdec._totals import EMPTY_PROPOSALS, PADDING_TOKENS, STEP_COUNTS, SpecDecodeTotals
 from otel_specdec._vllm_compat import (
@@ -88,12 +88,6 @@ class _Gone:
 _GONE = _Gone()
 
 
-class RequestSpanSink(Protocol):
-    """Where a finished request's detail goes when tracing is on."""
-
-    def submit(self, request: Any, detail: Any, totals: SpecDecodeTotals) -> None: ...
-
-
 class StepAccountant:
     """Per-scheduler accounting: feeds one ``SpecDecodeTotals`` each step.
 
@@ -105,8 +99,8 @@ class StepAccountant:
     Three paths compute the same numbers. The exact path is a Python loop
     that follows vLLM's own loop request by request; it serves every unusual
     step (grammar-invalidated drafts, failed KV loads, stale output after a
-    preemption, several sampled tokens per step, outputs not in row order)
-    and every step while request spans are on. Where the optional C
+    preemption, several sampled tokens per step, outputs not in row order).
+    Where the optional C
     accelerator was built, every other step is taken by ``step_fast``
     (``_rowscan.Scanner.step``: one call per step, which reads the step's
     inputs, passes over the rows once with tallies kept by row in C arrays,
@@ -116,6 +110,12 @@ class StepAccountant:
 
     Finished requests are released in bulk (``release``) from vLLM's own
     sets of freed requests: each tally becomes one per-request rate.
+
+    With request spans on (``details``: the span worker's hand-over), the
+    per-request detail a span needs is kept where the counts are: by the C
+    pass in its rows, by the exact path in the C pass's store (or in
+    ``RequestDetails`` without it); the pure-Python vectorised path keeps
+    none, so without the C pass spans put every step on the exact path.
     """
 
     __slots__ = (
@@ -142,7 +142,7 @@ class StepAccountant:
         "_step",
         "_vectorised_steps",
         "_details",
-        "_spans",
+        "_add_detail",
     )
 
     def __init__(
@@ -154,7 +154,7 @@ class StepAccountant:
         track_padding: bool = True,
         steps_in_flight: int = 1,
         finished_above: int | None = None,
-        spans: RequestSpanSink | None = None,
+        details: DetailHandover | None = None,
         fields: StepFields = STEP_FIELDS,
         rules: AccountingRules = CURRENT_RULES,
     ) -> None:
@@ -181,6 +181,8 @@ class StepAccountant:
             # With steps in flight a row's request can be finished and still
             # in the table (a KV connector delaying its free): skipped, as
             # vLLM skips it, where the rules say so.
+            # With request spans on it keeps their detail too, for the
+            # requests the sampling plan keeps, and hands it over itself.
             self._scanner = self._tallies = NATIVE_SCANNER(
                 totals, requests, REQUEST_RATE_BOUNDS, fields._asdict(), STEP_COUNTS,
                 track_padding=track_padding,
@@ -188,6 +190,9 @@ class StepAccountant:
                 skip_finished=rules.skips_finished, finished_above=finished_above,
                 keep_steps=self._freed_keep_steps, prune_every=_PRUNE_FREED_EVERY_STEPS,
                 sweep_every=_SWEEP_EVERY_STEPS,
+                **({} if details is None else {
+                    "detail_plan": details.plan.as_dict(), "handover": details.items,
+                    "handover_limit": details.limit, "on_drop": details.note_drop}),
             )
         self._num_sampled = num_sampled_per_step
         # Under async scheduling every scheduled draft is a -1 placeholder,
@@ -210,15 +215,22 @@ class StepAccountant:
         self._prev_sampled: list[int] | None = None
         self._step = 0
         self._vectorised_steps = 0
-        # Request spans need per-request detail, kept by the exact path only.
-        self._spans = spans
-        self._details = RequestDetails(totals.num_speculative_tokens) if spans else None
-        if spans is not None:
-            self.vectorise_from = sys.maxsize
+        # Request detail for spans: the C pass keeps it (the exact path adds
+        # a Python-path step's to its store); without it, RequestDetails,
+        # fed by the exact path only.
+        scanner = self._scanner
+        self._details: RequestDetails | None = None
+        self._add_detail: Any = None
+        if details is not None:
+            if scanner is not None:
+                self._add_detail = scanner.add_detail
+            else:
+                self._details = RequestDetails(totals, details)
+                self._add_detail = self._details.add
+                self.vectorise_from = sys.maxsize
         # What account_step and end_step use each step: the C pass's step
         # (None: observe_step), and release or the C pass's own.
-        scanner = self._scanner
-        fast = scanner is not None and spans is None and num_sampled_per_step == 1
+        fast = scanner is not None and num_sampled_per_step == 1
         self.step_fast: Any = scanner.step if fast else None
         # After the host's update (see end_step); the C pass's own where it
         # serves, saving a Python call per step.
@@ -354,8 +366,8 @@ class StepAccountant:
         skip_finished = self._skip_finished
         stale_tokens = self._stale_tokens
         stale_drop_flag = self._stale_drop_flag
-        details = self._details
-        now_ns = time.time_ns() if details is not None else 0
+        add_detail = self._add_detail
+        now_ns = time.time_ns() if add_detail is not None else 0
         padding = 0
 
         for req_id, drafts in spec_tokens.items():
@@ -396,8 +408,8 @@ class StepAccountant:
             accepted_hist[num_accepted] += 1
             drafted_hist[num_drafted] += 1
             add_tally(req_id, num_drafted, num_accepted)
-            if details is not None:
-                details.add(request, num_drafted, num_accepted, now_ns)
+            if add_detail is not None:
+                add_detail(req_id, request, num_drafted, num_accepted, now_ns)
 
         if padding:
             totals.step_counts[PADDING_TOKENS] += padding
@@ -614,7 +626,7 @@ class StepAccountant:
         elif request_ids:
             self._release_rows(request_ids)
         if request_ids and self._details is not None:
-            self._submit_spans(request_ids)
+            self._details.release(request_ids)
 
     def _release_rows(self, request_ids: Collection[str]) -> None:
         """``release`` over ``RowTallies``.
@@ -632,13 +644,6 @@ class StepAccountant:
             if drafted > 0:
                 totals.observe_request(drafted, accepted)
 
-    def _submit_spans(self, request_ids: Iterable[str]) -> None:
-        """Hand finished requests' detail to the span sink (request spans on)."""
-        for request_id in request_ids:
-            detail = self._details.take(request_id)  # type: ignore[union-attr]
-            if detail is not None and detail.drafts > 0:
-                self._spans.submit(detail.request, detail, self.totals)  # type: ignore[union-attr]
-
     def steps_by_path(self) -> dict[str, int]:
         """Steps each accounting path took (for tests and benchmarks)."""
         native = self._scanner.native_steps if self._scanner is not None else 0
@@ -648,12 +653,17 @@ class StepAccountant:
     def held_state(self) -> dict[str, int]:
         """Sizes of what the accountant keeps between steps (for the memory benchmark)."""
         tallies = self._tallies
-        released = tallies.released if self._scanner is not None else self._freed
+        scanner = self._scanner
+        released = tallies.released if scanner is not None else self._freed
+        if scanner is not None:
+            span_details = len(set(scanner.detail_owners).union(scanner.detail_spilled))
+        else:
+            span_details = len(self._details) if self._details is not None else 0
         return {
             "rows": len(tallies.owners),
             "tallies_spilled": len(tallies.spilled),
             "released_ids": len(released),
-            "span_details": len(self._details) if self._details is not None else 0,
+            "span_details": span_details,
         }
 
     def forget_requests(self) -> None:

@@ -106,5 +106,6 @@ SPAN_ACCEPTANCE_RATE: Final = "vllm.spec_decode.acceptance_rate"
 SPAN_MEAN_ACCEPTANCE_LENGTH: Final = "vllm.spec_decode.mean_acceptance_length"
 SPAN_DRAFT_TOKENS_PER_POSITION: Final = "vllm.spec_decode.draft_tokens_per_position"
 SPAN_ACCEPTED_TOKENS_PER_POSITION: Final = "vllm.spec_decode.accepted_tokens_per_position"
+SPAN_ACCEPTANCE_LENGTH_COUNTS: Final = "vllm.spec_decode.acceptance_length_counts"
 # OpenTelemetry GenAI semantic conventions (string array).
 SPAN_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"

@@ -1,49 +1,33 @@
-"""Per-request detail for spans: kept only while request tracing is on.
+"""Per-request detail for request spans, and its hand-over to the span worker.
 
 The metrics need two numbers per request (drafted, accepted: the row
-tallies); a span also reports the number of drafts, per-position counts and
-when the first draft was verified. This keeps them per request id, fed by
-the exact accounting path (tracing turns the vectorised path off), and hands
-them over when the request is freed.
+tallies). A span also reports the request's drafts by accepted length and
+by drafted length (from which follow its drafts, tokens, per-position counts
+and acceptance-length histogram) and the time of its first verified draft.
+That detail is kept where the counts are: by the C pass in its rows (see
+``_rowscan.c``, "Request detail"), or here, by request id, where the C pass
+was not built. Only requests whose span can be sampled keep it (the
+sampling plan, ``_span_sampling``).
+
+A finished request's detail is one tuple on the ``DetailHandover`` list,
+appended on the scheduler's thread (by C, or here) and taken by the span
+worker thread: ``(totals, trace_headers, status, first_ns, end_ns,
+accepted_counts, drafted_counts)``. The list is bounded: a detail that does
+not fit is dropped and the first drop is logged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["RequestDetail", "RequestDetails", "tail_sums"]
+from otel_specdec._span_sampling import SamplingPlan
 
+__all__ = ["DetailHandover", "RequestDetails", "tail_sums"]
 
-class RequestDetail:
-    """One request's drafts so far, as two histograms of small integers."""
-
-    __slots__ = ("request", "first_ns", "accepted_hist", "drafted_hist")
-
-    def __init__(self, request: Any, first_ns: int, size: int) -> None:
-        # vLLM's Request: its trace context and finish reason make the span,
-        # which is built after the scheduler has let the request go.
-        self.request = request
-        self.first_ns = first_ns
-        # [a]: drafts that accepted a tokens; [n]: drafts that verified n.
-        self.accepted_hist = [0] * size
-        self.drafted_hist = [0] * size
-
-    @property
-    def drafts(self) -> int:
-        return sum(self.accepted_hist)
-
-    @property
-    def accepted(self) -> int:
-        return sum(a * c for a, c in enumerate(self.accepted_hist))
-
-    @property
-    def drafted(self) -> int:
-        return sum(n * c for n, c in enumerate(self.drafted_hist))
-
-    def per_position(self, k: int) -> tuple[list[int], list[int]]:
-        """(drafted, accepted) tokens at positions 0..k-1."""
-        return tail_sums(self.drafted_hist, k), tail_sums(self.accepted_hist, k)
+_logger = logging.getLogger(__name__)
 
 
 def tail_sums(hist: Sequence[int], k: int) -> list[int]:
@@ -56,30 +40,98 @@ def tail_sums(hist: Sequence[int], k: int) -> list[int]:
     return out
 
 
+class DetailHandover:
+    """Finished requests' detail, from the scheduler's thread to the span worker.
+
+    Appends and takes are single list operations under the GIL; the worker
+    takes what is there and leaves what is appended meanwhile.
+    """
+
+    __slots__ = ("items", "limit", "plan", "_said")
+
+    def __init__(self, plan: SamplingPlan, limit: int) -> None:
+        self.items: list[tuple[Any, ...]] = []
+        self.limit = limit
+        self.plan = plan
+        self._said = False
+
+    def offer(self, item: tuple[Any, ...]) -> None:
+        """The Python paths' append (the C pass appends to ``items`` itself)."""
+        if len(self.items) < self.limit:
+            self.items.append(item)
+        else:
+            self.note_drop()
+
+    def note_drop(self) -> None:
+        """A detail did not fit: said once per process."""
+        if not self._said:
+            self._said = True
+            _logger.warning("otel_specdec: more than %d finished requests wait for their span; "
+                            "their spans are dropped until the backlog clears (metrics are "
+                            "unaffected)", self.limit)
+
+    def take(self) -> list[tuple[Any, ...]]:
+        items = self.items
+        count = len(items)
+        taken = items[:count]
+        del items[:count]
+        return taken
+
+
+class _Detail:
+    __slots__ = ("request", "first_ns", "accepted", "drafted")
+
+    def __init__(self, request: Any, first_ns: int, size: int) -> None:
+        self.request = request
+        self.first_ns = first_ns
+        self.accepted = [0] * size
+        self.drafted = [0] * size
+
+
 class RequestDetails:
-    """``RequestDetail`` per live request id."""
+    """Request detail by request id (where the C pass was not built).
 
-    __slots__ = ("_size", "_by_id")
+    ``None`` marks a live request the plan keeps no detail for (decided on
+    its first draft, not again each step).
+    """
 
-    def __init__(self, k: int) -> None:
-        self._size = k + 1
-        self._by_id: dict[str, RequestDetail] = {}
+    __slots__ = ("_size", "_by_id", "_handover", "_totals")
 
-    def add(self, request: Any, drafted: int, accepted: int, now_ns: int) -> None:
-        req_id = request.request_id
-        detail = self._by_id.get(req_id)
+    def __init__(self, totals: Any, handover: DetailHandover) -> None:
+        self._size = totals.num_speculative_tokens + 1
+        self._totals = totals
+        self._handover = handover
+        self._by_id: dict[str, _Detail | None] = {}
+
+    def add(self, req_id: str, request: Any, drafted: int, accepted: int, now_ns: int) -> None:
+        by_id = self._by_id
+        detail = by_id.get(req_id, False)
+        if detail is False:
+            keep = self._handover.plan.keeps(getattr(request, "trace_headers", None))
+            detail = by_id[req_id] = _Detail(request, now_ns, self._size) if keep else None
         if detail is None:
-            detail = self._by_id[req_id] = RequestDetail(request, now_ns, self._size)
+            return
         top = max(drafted, accepted)
-        if top >= len(detail.accepted_hist):
-            grow = [0] * (top + 1 - len(detail.accepted_hist))
-            detail.accepted_hist.extend(grow)
-            detail.drafted_hist.extend(grow)
-        detail.accepted_hist[accepted] += 1
-        detail.drafted_hist[drafted] += 1
+        if top >= len(detail.accepted):
+            grow = [0] * (top + 1 - len(detail.accepted))
+            detail.accepted.extend(grow)
+            detail.drafted.extend(grow)
+        detail.accepted[accepted] += 1
+        detail.drafted[drafted] += 1
 
-    def take(self, req_id: str) -> RequestDetail | None:
-        return self._by_id.pop(req_id, None)
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Finished requests: their detail goes to the span worker."""
+        by_id = self._by_id
+        for req_id in request_ids:
+            detail = by_id.pop(req_id, None)
+            if detail is None or not any(detail.accepted):
+                continue
+            request = detail.request
+            self._handover.offer((
+                self._totals, getattr(request, "trace_headers", None),
+                getattr(request, "status", None), detail.first_ns, time.time_ns(),
+                tuple(detail.accepted), tuple(detail.drafted),
+            ))
 
     def drop_missing(self, live: Mapping[str, object]) -> None:
         for req_id in [r for r in self._by_id if r not in live]:
@@ -89,4 +141,4 @@ class RequestDetails:
         self._by_id.clear()
 
     def __len__(self) -> int:
-        return len(self._by_id)
+        return sum(1 for detail in self._by_id.values() if detail is not None)

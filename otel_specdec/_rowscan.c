@@ -22,6 +22,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <string.h>
+#include <time.h>
 
 /* Values (accepted or drafted tokens per draft) counted in local arrays;
  * larger ones are returned one by one for Python to add. */
@@ -45,12 +47,17 @@ static const char *const field_roles[N_FIELDS] = {
  * names it is given (_totals.STEP_COUNTS) against these. */
 enum { COUNT_EMPTY, COUNT_PADDING, N_COUNTS };
 static const char *const count_roles[N_COUNTS] = {"empty_proposals", "padding_tokens"};
+/* Which requests' detail is kept with request spans on, by their trace
+ * context (_span_sampling.SamplingPlan, checked by name): no parent, a
+ * sampled parent, an unsampled parent. */
+enum { PLAN_ROOT, PLAN_SAMPLED_PARENT, PLAN_UNSAMPLED_PARENT, N_PLAN };
+static const char *const plan_roles[N_PLAN] = {"root", "sampled_parent", "unsampled_parent"};
 
 /* CPython keeps one object for each small int: every -1 that the
  * interpreter, PyLong_FromLong or .tolist() makes is this one, so a -1
  * placeholder is told by its address, without reading the (cold) object. */
 static PyObject *minus_one;
-static PyObject *str_status, *str_is_finished;
+static PyObject *str_status, *str_is_finished, *str_trace_headers, *str_traceparent;
 
 typedef struct {
     PyObject_HEAD
@@ -70,6 +77,7 @@ typedef struct {
     PyObject *requests; /* the scheduler's request table (dict) */
     PyObject *released; /* dict: req_id -> step it was released at (recent ones) */
     long long step;     /* steps seen, by step() or advance() */
+    long long step_ns;  /* when step() took the current step (request detail on) */
     long long native_steps; /* step() calls that took their step */
     long long keep_steps; /* steps a released id is remembered */
     long long prune_every; /* steps between prunes of released ids */
@@ -85,6 +93,21 @@ typedef struct {
     PyObject *fields[N_FIELDS];
     double bounds[MAX_BOUNDS];
     Py_ssize_t nb;
+    /* Per-request detail for request spans (detail 0: spans off, none kept;
+     * see "Request detail" below). */
+    int detail;
+    int keep[N_PLAN];       /* the sampling plan: keep detail for this kind of request */
+    Py_ssize_t dsize;       /* entries of a request's histogram: k + 1 */
+    long long *det;         /* per row: accepted-length then drafted-length counts */
+    long long *first_ns;    /* per row: time of the owner's first verified draft there (0: none) */
+    signed char *want;      /* per row: keep the owner's detail: -1 not decided yet */
+    PyObject **det_req;     /* per row: the owner's Request where detail is kept */
+    PyObject *det_spilled;  /* dict: req_id -> [request, first_ns, acc list, drf list] */
+    PyObject *handover;     /* list: finished requests' detail, taken by the span worker */
+    Py_ssize_t handover_limit;
+    PyObject *on_drop;      /* called once, at the first detail the full list refuses */
+    long long dropped;      /* details refused by the full list */
+    PyObject *totals;       /* handed over with each detail */
 } Scanner;
 
 typedef struct {
@@ -187,12 +210,380 @@ spill(Scanner *self, PyObject *req_id, long long drafted, long long accepted)
     return rc;
 }
 
+/* ---- Request detail (request spans on) -------------------------------
+ *
+ * A span reports a request's drafts: the counts of its drafts by accepted
+ * length and by drafted length (k + 1 entries each, from which follow its
+ * drafts, tokens and per-position counts) and the time of its first
+ * verified draft. They are kept where its tally is: by row in C arrays,
+ * moved to det_spilled when the request leaves its row (or a draft is too
+ * long for the row's counts, or a Python-path step adds one), and summed
+ * when it is released. Only for requests whose span can be sampled (the
+ * sampling plan, decided once per request and row from its trace
+ * context); a finished request's detail goes to the hand-over list, which
+ * a worker thread empties, and is dropped when the list is full. */
+
+static PyObject *field(PyObject *obj, PyObject *name);
+static int bump(PyObject *list, Py_ssize_t i, long long delta);
+
+static long long
+now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline long long *
+row_detail(Scanner *self, Py_ssize_t i)
+{
+    return self->det + i * 2 * self->dsize;
+}
+
+static int
+hex_digit(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    return -1;
+}
+
+/* A W3C traceparent value, checked as the SDK's propagator checks it
+ * (lower-case hex, non-zero ids, version ff invalid, nothing after a
+ * version 00 value): 1 and *sampled set, or 0 (not a valid parent). */
+static int
+parse_traceparent(const char *s, Py_ssize_t n, int *sampled)
+{
+    static const int widths[4] = {2, 32, 16, 2};
+    const char *part[4];
+    while (n > 0 && (*s == ' ' || (*s >= '\t' && *s <= '\r')))
+        s++, n--;
+    while (n > 0 && (s[n - 1] == ' ' || (s[n - 1] >= '\t' && s[n - 1] <= '\r')))
+        n--;
+    if (n < 55 || (n > 55 && s[55] != '-'))
+        return 0;
+    Py_ssize_t pos = 0;
+    for (int f = 0; f < 4; f++) {
+        part[f] = s + pos;
+        for (int j = 0; j < widths[f]; j++)
+            if (hex_digit(s[pos + j]) < 0)
+                return 0;
+        pos += widths[f];
+        if (f < 3 && s[pos++] != '-')
+            return 0;
+    }
+    if (part[0][0] == 'f' && part[0][1] == 'f')
+        return 0;
+    if (part[0][0] == '0' && part[0][1] == '0' && n != 55)
+        return 0;
+    int nonzero = 0;
+    for (int j = 0; j < 32; j++)
+        nonzero |= part[1][j] != '0';
+    if (!nonzero)
+        return 0;
+    nonzero = 0;
+    for (int j = 0; j < 16; j++)
+        nonzero |= part[2][j] != '0';
+    if (!nonzero)
+        return 0;
+    *sampled = hex_digit(part[3][1]) & 1;
+    return 1;
+}
+
+/* 1 if the request's detail is kept (the sampling plan, by its trace
+ * context), 0 if not, -1 on error. */
+static int
+keeps_detail(Scanner *self, PyObject *request)
+{
+    const int *keep = self->keep;
+    if (keep[PLAN_ROOT] && keep[PLAN_SAMPLED_PARENT] && keep[PLAN_UNSAMPLED_PARENT])
+        return 1;
+    PyObject *headers = field(request, str_trace_headers), *value = NULL;
+    if (headers == NULL)
+        return PyErr_Occurred() ? -1 : keep[PLAN_ROOT];
+    if (PyDict_Check(headers)) {
+        value = Py_XNewRef(PyDict_GetItemWithError(headers, str_traceparent));
+    } else if (headers != Py_None) {
+        value = PyObject_GetItem(headers, str_traceparent);
+        if (value == NULL && (PyErr_ExceptionMatches(PyExc_KeyError) ||
+                              PyErr_ExceptionMatches(PyExc_TypeError)))
+            PyErr_Clear();
+    }
+    Py_DECREF(headers);
+    if (value == NULL)
+        return PyErr_Occurred() ? -1 : keep[PLAN_ROOT];
+    if ((PyList_Check(value) || PyTuple_Check(value)) && PySequence_Size(value) > 0) {
+        PyObject *first = PySequence_GetItem(value, 0); /* a multi-valued header */
+        Py_SETREF(value, first);
+        if (value == NULL)
+            return -1;
+    }
+    int sampled = 0, valid = 0;
+    if (PyUnicode_Check(value)) {
+        Py_ssize_t n;
+        const char *text = PyUnicode_AsUTF8AndSize(value, &n);
+        if (text == NULL) {
+            Py_DECREF(value);
+            return -1;
+        }
+        valid = parse_traceparent(text, n, &sampled);
+    }
+    Py_DECREF(value);
+    if (!valid)
+        return keep[PLAN_ROOT];
+    return keep[sampled ? PLAN_SAMPLED_PARENT : PLAN_UNSAMPLED_PARENT];
+}
+
+/* list[v] += count, growing the list with zeros. */
+static int
+list_add(PyObject *list, Py_ssize_t v, long long count)
+{
+    while (PyList_GET_SIZE(list) <= v) {
+        PyObject *zero = PyLong_FromLong(0);
+        int rc = zero == NULL ? -1 : PyList_Append(list, zero);
+        Py_XDECREF(zero);
+        if (rc < 0)
+            return -1;
+    }
+    return bump(list, v, count);
+}
+
+/* entry[1] = the earlier of its first time and first (0: none). */
+static int
+entry_first(PyObject *entry, long long first)
+{
+    long long old = PyLong_AsLongLong(PyList_GET_ITEM(entry, 1));
+    if (old == -1 && PyErr_Occurred())
+        return -1;
+    if (!first || (old && old <= first))
+        return 0;
+    PyObject *value = PyLong_FromLongLong(first);
+    if (value == NULL)
+        return -1;
+    PyList_SetItem(entry, 1, value);
+    return 0;
+}
+
+/* det_spilled[req_id] (borrowed), made empty where missing: [request,
+ * first_ns, accepted-length counts, drafted-length counts]. */
+static PyObject *
+spilled_detail(Scanner *self, PyObject *req_id, PyObject *request)
+{
+    PyObject *entry = PyDict_GetItemWithError(self->det_spilled, req_id);
+    if (entry != NULL || PyErr_Occurred())
+        return entry;
+    PyObject *acc = PyList_New(0), *drf = PyList_New(0);
+    entry = acc && drf ? Py_BuildValue("[OiOO]", request, 0, acc, drf) : NULL;
+    Py_XDECREF(acc);
+    Py_XDECREF(drf);
+    if (entry == NULL)
+        return NULL;
+    int rc = PyDict_SetItem(self->det_spilled, req_id, entry);
+    Py_DECREF(entry);
+    return rc < 0 ? NULL : entry;
+}
+
+/* One draft's detail outside the rows (a Python-path step, or a draft too
+ * long for the row's counts). */
+static int
+add_spilled_detail(Scanner *self, PyObject *req_id, PyObject *request, Py_ssize_t a,
+                   Py_ssize_t d, long long when)
+{
+    PyObject *entry = spilled_detail(self, req_id, request);
+    if (entry == NULL)
+        return -1;
+    if (list_add(PyList_GET_ITEM(entry, 2), a, 1) < 0 ||
+        list_add(PyList_GET_ITEM(entry, 3), d, 1) < 0)
+        return -1;
+    return entry_first(entry, when);
+}
+
+static void
+reset_row_detail(Scanner *self, Py_ssize_t i)
+{
+    memset(row_detail(self, i), 0, 2 * self->dsize * sizeof(long long));
+    self->first_ns[i] = 0;
+    self->want[i] = -1;
+    Py_CLEAR(self->det_req[i]);
+}
+
+/* The row's owner leaves it: its detail moves to det_spilled. */
+static int
+spill_row_detail(Scanner *self, Py_ssize_t i)
+{
+    if (self->want[i] > 0 && self->first_ns[i]) {
+        PyObject *entry = spilled_detail(self, PyList_GET_ITEM(self->owners, i),
+                                         self->det_req[i]);
+        if (entry == NULL)
+            return -1;
+        const long long *row = row_detail(self, i);
+        for (Py_ssize_t v = 0; v < self->dsize; v++) {
+            if ((row[v] && list_add(PyList_GET_ITEM(entry, 2), v, row[v]) < 0) ||
+                (row[self->dsize + v] &&
+                 list_add(PyList_GET_ITEM(entry, 3), v, row[self->dsize + v]) < 0))
+                return -1;
+        }
+        if (entry_first(entry, self->first_ns[i]) < 0)
+            return -1;
+    }
+    reset_row_detail(self, i);
+    return 0;
+}
+
+/* A verified draft's detail, in its row (decided on its first). */
+static int
+add_row_detail(Scanner *self, Py_ssize_t i, PyObject *req_id, Py_ssize_t a, Py_ssize_t d,
+               long long when)
+{
+    if (self->want[i] < 0) {
+        PyObject *request = PyDict_GetItemWithError(self->requests, req_id);
+        if (request == NULL)
+            return PyErr_Occurred() ? -1 : 0;
+        int keep = keeps_detail(self, request);
+        if (keep < 0)
+            return -1;
+        self->want[i] = (signed char)keep;
+        if (keep)
+            self->det_req[i] = Py_NewRef(request);
+    }
+    if (!self->want[i])
+        return 0;
+    if (a >= self->dsize || d >= self->dsize)
+        return add_spilled_detail(self, req_id, self->det_req[i], a, d, when);
+    long long *row = row_detail(self, i);
+    row[a]++;
+    row[self->dsize + d]++;
+    if (!self->first_ns[i])
+        self->first_ns[i] = when;
+    return 0;
+}
+
+/* A tuple of the counts: row (or NULL) plus the spilled list (or NULL). */
+static PyObject *
+summed_counts(const long long *row, Py_ssize_t dsize, PyObject *spilled)
+{
+    Py_ssize_t m = spilled != NULL ? PyList_GET_SIZE(spilled) : 0;
+    Py_ssize_t n = m > dsize ? m : dsize;
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t v = 0; v < n; v++) {
+        long long count = row != NULL && v < dsize ? row[v] : 0;
+        if (v < m) {
+            long long more = PyLong_AsLongLong(PyList_GET_ITEM(spilled, v));
+            if (more == -1 && PyErr_Occurred()) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            count += more;
+        }
+        PyObject *value = PyLong_FromLongLong(count);
+        if (value == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, v, value);
+    }
+    return out;
+}
+
+/* Room in the hand-over list: 1, or 0 (the detail is dropped, counted,
+ * and said once), -1 on error. */
+static int
+handover_room(Scanner *self)
+{
+    if (PyList_GET_SIZE(self->handover) < self->handover_limit)
+        return 1;
+    if (self->dropped++ == 0 && self->on_drop != Py_None) {
+        PyObject *result = PyObject_CallNoArgs(self->on_drop);
+        if (result == NULL)
+            return -1;
+        Py_DECREF(result);
+    }
+    return 0;
+}
+
+/* One finished request's detail onto the hand-over list. */
+static int
+append_detail(Scanner *self, PyObject *request, long long first, const long long *counts,
+              PyObject *entry)
+{
+    PyObject *acc = NULL, *drf = NULL, *headers = NULL, *status = NULL, *item = NULL;
+    int rc = -1;
+    acc = summed_counts(counts, self->dsize, entry ? PyList_GET_ITEM(entry, 2) : NULL);
+    drf = summed_counts(counts ? counts + self->dsize : NULL, self->dsize,
+                        entry ? PyList_GET_ITEM(entry, 3) : NULL);
+    if (acc == NULL || drf == NULL)
+        goto done;
+    if ((headers = field(request, str_trace_headers)) == NULL && PyErr_Occurred())
+        goto done;
+    if ((status = field(request, str_status)) == NULL && PyErr_Occurred())
+        goto done;
+    item = Py_BuildValue("(OOOLLOO)", self->totals, headers ? headers : Py_None,
+                         status ? status : Py_None, first, now_ns(), acc, drf);
+    if (item != NULL)
+        rc = PyList_Append(self->handover, item);
+done:
+    Py_XDECREF(acc);
+    Py_XDECREF(drf);
+    Py_XDECREF(headers);
+    Py_XDECREF(status);
+    Py_XDECREF(item);
+    return rc;
+}
+
+/* A released request's detail (row, -1: none, and spilled) goes to the
+ * hand-over list: (totals, trace headers, status, first ns, end ns,
+ * accepted-length counts, drafted-length counts). */
+static int
+hand_over_detail(Scanner *self, PyObject *req_id, Py_ssize_t row)
+{
+    PyObject *entry = NULL;
+    if (PyDict_GET_SIZE(self->det_spilled)) {
+        entry = PyDict_GetItemWithError(self->det_spilled, req_id);
+        if (entry == NULL && PyErr_Occurred())
+            return -1;
+        Py_XINCREF(entry);
+        if (entry != NULL && PyDict_DelItem(self->det_spilled, req_id) < 0) {
+            Py_DECREF(entry);
+            return -1;
+        }
+    }
+    int in_row = row >= 0 && self->want[row] > 0 && self->first_ns[row];
+    int rc = 0;
+    if (entry != NULL || in_row) {
+        PyObject *request = in_row ? self->det_req[row] : PyList_GET_ITEM(entry, 0);
+        long long first = in_row ? self->first_ns[row] : 0;
+        if (entry != NULL) {
+            long long other = PyLong_AsLongLong(PyList_GET_ITEM(entry, 1));
+            if (other == -1 && PyErr_Occurred())
+                rc = -1;
+            else if (other && (!first || other < first))
+                first = other;
+        }
+        if (rc == 0)
+            rc = handover_room(self);
+        if (rc > 0)
+            rc = append_detail(self, request, first, in_row ? row_detail(self, row) : NULL,
+                               entry);
+
+    }
+    Py_XDECREF(entry);
+    if (row >= 0)
+        reset_row_detail(self, row);
+    return rc < 0 ? -1 : 0;
+}
+
 /* The row's owner leaves it (to new_owner, or None): its tally is spilled. */
 static int
 reassign(Scanner *self, Py_ssize_t i, PyObject *new_owner)
 {
     PyObject *old = PyList_GET_ITEM(self->owners, i);
     if (old != Py_None && spill(self, old, self->drf[i], self->acc[i]) < 0)
+        return -1;
+    if (self->detail && spill_row_detail(self, i) < 0)
         return -1;
     self->acc[i] = 0;
     self->drf[i] = 0;
@@ -202,6 +593,34 @@ reassign(Scanner *self, Py_ssize_t i, PyObject *new_owner)
     self->hashes[i] = hash;
     Py_INCREF(new_owner);
     PyList_SetItem(self->owners, i, new_owner); /* drops the old owner */
+    return 0;
+}
+
+/* Room for cap rows of detail (rows from self->cap on start empty). */
+static int
+grow_detail(Scanner *self, Py_ssize_t cap)
+{
+    Py_ssize_t width = 2 * self->dsize;
+    long long *det = PyMem_Realloc(self->det, cap * width * sizeof(long long));
+    if (det == NULL)
+        return -1;
+    self->det = det;
+    long long *first = PyMem_Realloc(self->first_ns, cap * sizeof(long long));
+    if (first == NULL)
+        return -1;
+    self->first_ns = first;
+    signed char *want = PyMem_Realloc(self->want, cap);
+    if (want == NULL)
+        return -1;
+    self->want = want;
+    PyObject **req = PyMem_Realloc(self->det_req, cap * sizeof(PyObject *));
+    if (req == NULL)
+        return -1;
+    self->det_req = req;
+    for (Py_ssize_t i = self->cap; i < cap; i++) {
+        req[i] = NULL;
+        reset_row_detail(self, i);
+    }
     return 0;
 }
 
@@ -228,6 +647,8 @@ fit(Scanner *self, Py_ssize_t n)
         if (hashes == NULL)
             goto nomem;
         self->hashes = hashes;
+        if (self->detail && grow_detail(self, cap) < 0)
+            goto nomem;
         self->cap = cap;
     }
     for (Py_ssize_t i = m; i < n; i++) {
@@ -237,6 +658,8 @@ fit(Scanner *self, Py_ssize_t n)
         self->drf[i] = 0;
         self->had_output[i] = 0;
         self->hashes[i] = -1;
+        if (self->detail)
+            reset_row_detail(self, i);
     }
     if (n < m) {
         for (Py_ssize_t i = n; i < m; i++)
@@ -500,6 +923,8 @@ release_one(Scanner *self, PyObject *req_id, PyObject *when, Rates *rates)
             return -1;
         }
     }
+    if (self->detail && hand_over_detail(self, req_id, row) < 0)
+        return -1;
     if (drafted <= 0)
         return 0;
     double rate = (double)accepted / (double)drafted;
@@ -743,6 +1168,8 @@ scan_rows(Scanner *self, StepInputs *in, PyObject *freed, Pass *p)
             }
             acc[i] += a;
             drf[i] += d;
+            if (self->detail && add_row_detail(self, i, req_id, a, d, self->step_ns) < 0)
+                return -1;
             if (self->track_padding) {
                 Py_ssize_t pad = padding_in(drafts, d);
                 if (pad < 0)
@@ -779,7 +1206,8 @@ tick(Scanner *self)
         delete_where_not(self->released, is_recent, self) < 0)
         return -1;
     if (self->step % self->sweep_every == 0 &&
-        delete_where_not(self->spilled, is_live, self) < 0)
+        (delete_where_not(self->spilled, is_live, self) < 0 ||
+         delete_where_not(self->det_spilled, is_live, self) < 0))
         return -1;
     return 0;
 }
@@ -846,6 +1274,8 @@ Scanner_step(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
     if (tick(self) < 0)
         goto done;
     self->native_steps++;
+    if (self->detail)
+        self->step_ns = now_ns();
     if (scan_rows(self, &in, freed, &p) < 0)
         goto done;
     if (add_counts(self->acc_hist, p.acc_hist, p.acc_top) < 0 ||
@@ -920,6 +1350,33 @@ Scanner_add_spilled(Scanner *self, PyObject *args)
 }
 
 static PyObject *
+Scanner_keeps_detail(Scanner *self, PyObject *request)
+{
+    int keep = self->detail ? keeps_detail(self, request) : 0;
+    return keep < 0 ? NULL : PyBool_FromLong(keep);
+}
+
+static PyObject *
+Scanner_add_detail(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "add_detail: (req_id, request, drafted, accepted, when_ns) expected");
+        return NULL;
+    }
+    Py_ssize_t d = PyLong_AsSsize_t(args[2]), a = PyLong_AsSsize_t(args[3]);
+    long long when = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!self->detail || d < 0 || a < 0)
+        Py_RETURN_NONE;
+    int keep = keeps_detail(self, args[1]);
+    if (keep < 0 || (keep && add_spilled_detail(self, args[0], args[1], a, d, when) < 0))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 Scanner_drop_missing(Scanner *self, PyObject *live)
 {
     if (!PyDict_Check(live)) {
@@ -929,6 +1386,8 @@ Scanner_drop_missing(Scanner *self, PyObject *live)
     PyObject *requests = self->requests;
     self->requests = live;
     int rc = delete_where_not(self->spilled, is_live, self);
+    if (rc == 0)
+        rc = delete_where_not(self->det_spilled, is_live, self);
     self->requests = requests;
     if (rc < 0)
         return NULL;
@@ -942,6 +1401,10 @@ Scanner_clear(Scanner *self, PyObject *Py_UNUSED(ignored))
         return NULL;
     PyDict_Clear(self->spilled);
     PyDict_Clear(self->released);
+    PyDict_Clear(self->det_spilled);
+    if (self->detail)
+        for (Py_ssize_t i = 0; i < self->cap; i++)
+            reset_row_detail(self, i);
     Py_CLEAR(self->row_of);
     self->prev_valid = 0;
     Py_RETURN_NONE;
@@ -969,20 +1432,77 @@ totals_list(PyObject *totals, const char *name, Py_ssize_t min_size)
     return value;
 }
 
+/* Request detail: plan (None: off) maps each of plan_roles to whether
+ * such a request's detail is kept; handover is the list finished
+ * requests' detail goes to, up to handover_limit items; on_drop is called
+ * at the first refused. */
+static int
+init_detail(Scanner *self, PyObject *totals, PyObject *plan, PyObject *handover,
+            Py_ssize_t limit, PyObject *on_drop)
+{
+    if (self->detail || self->det_spilled != NULL) {
+        PyErr_SetString(PyExc_TypeError, "Scanner: initialised twice");
+        return -1;
+    }
+    if ((self->det_spilled = PyDict_New()) == NULL)
+        return -1;
+    self->totals = Py_NewRef(totals);
+    self->handover = Py_NewRef(handover);
+    self->on_drop = Py_NewRef(on_drop);
+    if (plan == Py_None)
+        return 0;
+    if (!PyList_CheckExact(handover) || limit < 1 ||
+        (on_drop != Py_None && !PyCallable_Check(on_drop))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "Scanner: detail needs a handover list, a limit >= 1, on_drop callable");
+        return -1;
+    }
+    for (int i = 0; i < N_PLAN; i++) {
+        PyObject *keep = PyMapping_GetItemString(plan, plan_roles[i]);
+        if (keep == NULL)
+            return -1;
+        self->keep[i] = PyObject_IsTrue(keep);
+        Py_DECREF(keep);
+        if (self->keep[i] < 0)
+            return -1;
+    }
+    if (PyMapping_Size(plan) != N_PLAN) {
+        PyErr_Format(PyExc_ValueError, "Scanner: the sampling plan has %d roles", N_PLAN);
+        return -1;
+    }
+    PyObject *k = PyObject_GetAttrString(totals, "num_speculative_tokens");
+    long value = k != NULL ? PyLong_AsLong(k) : -1;
+    Py_XDECREF(k);
+    if (value < 1 || value > HIST_SIZE) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "Scanner: num_speculative_tokens out of range");
+        return -1;
+    }
+    self->dsize = value + 1;
+    self->handover_limit = limit;
+    self->detail = 1;
+    return 0;
+}
+
 static int
 Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"totals", "requests", "rate_bounds", "fields", "counts",
                                "track_padding", "in_flight", "skip_finished",
                                "finished_above", "keep_steps", "prune_every", "sweep_every",
-                               NULL};
+                               "detail_plan", "handover", "handover_limit", "on_drop", NULL};
     PyObject *totals, *requests, *bounds, *fields, *count_names, *finished_above;
+    PyObject *plan = Py_None, *handover = Py_None, *on_drop = Py_None;
+    Py_ssize_t handover_limit = 0;
     int track_padding, in_flight, skip_finished;
     long long keep_steps, prune_every, sweep_every;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpppOLLL", keywords, &totals,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpppOLLL|OOnO", keywords, &totals,
                                      &PyDict_Type, &requests, &bounds, &PyDict_Type, &fields,
                                      &count_names, &track_padding, &in_flight, &skip_finished,
-                                     &finished_above, &keep_steps, &prune_every, &sweep_every))
+                                     &finished_above, &keep_steps, &prune_every, &sweep_every,
+                                     &plan, &handover, &handover_limit, &on_drop))
+        return -1;
+    if (init_detail(self, totals, plan, handover, handover_limit, on_drop) < 0)
         return -1;
     Py_ssize_t nb = PySequence_Size(bounds);
     if (nb < 0)
@@ -1119,6 +1639,13 @@ Scanner_traverse(Scanner *self, visitproc visit, void *arg)
     Py_VISIT(self->counts);
     Py_VISIT(self->rate_sum);
     Py_VISIT(self->trackers);
+    Py_VISIT(self->det_spilled);
+    Py_VISIT(self->handover);
+    Py_VISIT(self->on_drop);
+    Py_VISIT(self->totals);
+    if (self->det_req != NULL)
+        for (Py_ssize_t i = 0; i < self->cap; i++)
+            Py_VISIT(self->det_req[i]);
     return 0;
 }
 
@@ -1138,6 +1665,13 @@ Scanner_clear_refs(Scanner *self)
     Py_CLEAR(self->trackers);
     for (int i = 0; i < N_FIELDS; i++)
         Py_CLEAR(self->fields[i]);
+    Py_CLEAR(self->det_spilled);
+    Py_CLEAR(self->handover);
+    Py_CLEAR(self->on_drop);
+    Py_CLEAR(self->totals);
+    if (self->det_req != NULL)
+        for (Py_ssize_t i = 0; i < self->cap; i++)
+            Py_CLEAR(self->det_req[i]);
     return 0;
 }
 
@@ -1150,6 +1684,10 @@ Scanner_dealloc(Scanner *self)
     PyMem_Free(self->drf);
     PyMem_Free(self->had_output);
     PyMem_Free(self->hashes);
+    PyMem_Free(self->det);
+    PyMem_Free(self->first_ns);
+    PyMem_Free(self->want);
+    PyMem_Free(self->det_req);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1200,6 +1738,11 @@ static PyMethodDef Scanner_methods[] = {
      "end_step(ids): release(ids, end_of_step=True), after the host's update"},
     {"add_spilled", (PyCFunction)Scanner_add_spilled, METH_VARARGS,
      "add_spilled(req_id, drafted, accepted): add to a request's tally outside the rows"},
+    {"add_detail", (PyCFunction)(void (*)(void))Scanner_add_detail, METH_FASTCALL,
+     "add_detail(req_id, request, drafted, accepted, when_ns): one draft's request detail "
+     "from a Python-path step (kept where the sampling plan keeps the request's)"},
+    {"keeps_detail", (PyCFunction)Scanner_keeps_detail, METH_O,
+     "keeps_detail(request): whether the sampling plan keeps the request's detail"},
     {"drop_missing", (PyCFunction)Scanner_drop_missing, METH_O,
      "drop_missing(requests): forget tallies outside the rows of requests not in it"},
     {"clear", (PyCFunction)Scanner_clear, METH_NOARGS, "forget every tally"},
@@ -1208,7 +1751,40 @@ static PyMethodDef Scanner_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *
+Scanner_get_det_spilled(Scanner *self, void *closure)
+{
+    return Py_NewRef(self->det_spilled);
+}
+
+static PyObject *
+Scanner_get_detail_owners(Scanner *self, void *closure)
+{
+    PyObject *out = PyList_New(0);
+    if (out != NULL && self->detail)
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->owners); i++)
+            if (self->det_req[i] != NULL &&
+                PyList_Append(out, PyList_GET_ITEM(self->owners, i)) < 0) {
+                Py_CLEAR(out);
+                break;
+            }
+    return out;
+}
+
+static PyObject *
+Scanner_get_dropped(Scanner *self, void *closure)
+{
+    return PyLong_FromLongLong(self->dropped);
+}
+
 static PyGetSetDef Scanner_getset[] = {
+    {"detail_spilled", (getter)Scanner_get_det_spilled, NULL,
+     "request id -> [request, first ns, counts, counts]: request detail outside the rows",
+     NULL},
+    {"detail_owners", (getter)Scanner_get_detail_owners, NULL,
+     "the requests whose detail a row keeps", NULL},
+    {"dropped_details", (getter)Scanner_get_dropped, NULL,
+     "finished requests' detail refused by the full hand-over list", NULL},
     {"owners", (getter)Scanner_get_owners, NULL, "row -> request id (or None)", NULL},
     {"spilled", (getter)Scanner_get_spilled, NULL,
      "request id -> (drafted, accepted) of requests not in a row", NULL},
@@ -1247,7 +1823,10 @@ PyInit__rowscan(void)
     minus_one = PyLong_FromLong(-1);
     str_status = PyUnicode_InternFromString("status");
     str_is_finished = PyUnicode_InternFromString("is_finished");
+    str_trace_headers = PyUnicode_InternFromString("trace_headers");
+    str_traceparent = PyUnicode_InternFromString("traceparent");
     if (minus_one == NULL || str_status == NULL || str_is_finished == NULL ||
+        str_trace_headers == NULL || str_traceparent == NULL ||
         PyType_Ready(&ScannerType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&module_def);

@@ -98,7 +98,7 @@ class Runtime:
             track_padding=not info.async_scheduling,
             steps_in_flight=info.steps_in_flight,
             finished_above=_vllm_compat.finished_status_threshold(),
-            spans=self.spans,
+            details=self.spans.details_for_accounting() if self.spans is not None else None,
             fields=layout.fields,
             rules=layout.rules,
         )

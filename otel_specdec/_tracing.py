@@ -1,8 +1,9 @@
 """Per-request spans: one span per finished request that had drafts.
 
-Off unless ``OTEL_SPECDEC_TRACES=true``. The scheduler's thread only hands
-a finished request's detail (already tallied by the accounting) to a queue;
-a worker thread builds the span, in the trace the client sent to vLLM
+Off unless ``OTEL_SPECDEC_TRACES=true``. The accounting keeps each
+request's detail where its counts are (the C pass's rows) and, when it
+finishes, appends it to a bounded hand-over list; a worker thread takes
+the list's contents a few times a second and builds the spans, in the trace the client sent to vLLM
 (W3C ``traceparent`` in the request's trace headers), and links the
 per-request acceptance-rate histogram to it with an exemplar. No SDK call
 runs per step, and none on the scheduler's thread.
@@ -24,9 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
-import time
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -35,8 +35,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_specdec import _instruments as names
+from otel_specdec import _vllm_compat
 from otel_specdec import environment_variables as env_vars
 from otel_specdec._bounded import Deadline, call_within
+from otel_specdec._request_details import DetailHandover, tail_sums
 from otel_specdec._settings import (
     PROTOCOLS,
     SHUTDOWN_TIMEOUT_ENV,
@@ -46,6 +48,7 @@ from otel_specdec._settings import (
     otlp_setting,
     otlp_timeout_s,
 )
+from otel_specdec._span_sampling import plan_for
 from otel_specdec.version import __version__
 
 __all__ = [
@@ -61,8 +64,12 @@ _logger = logging.getLogger(__name__)
 ENABLE_ENV = env_vars.OTEL_SPECDEC_TRACES
 TRACE_EXPORTERS = ("otlp", "console", "none")
 # Finished requests waiting for their span; beyond this they are dropped
-# (counted, logged once) rather than growing memory.
+# (logged once) rather than growing memory.
 MAX_PENDING = 10_000
+# How often the worker takes what the scheduler handed over (a flush wakes
+# it at once): spans are built in batches, and the scheduler's thread never
+# signals it.
+POLL_S = 0.2
 
 _configured_provider: TracerProvider | None = None
 
@@ -124,63 +131,69 @@ def _own_provider(resource: Resource) -> TracerProvider | None:
 
 
 class RequestSpanEmitter:
-    """Builds request spans on its own thread from what the scheduler hands over."""
+    """Builds request spans on its own thread from what the scheduler hands over.
+
+    The scheduler's thread only appends finished requests' detail to
+    ``handover`` (the C pass does so itself); this thread takes it in
+    batches (every ``POLL_S``, or at once for a flush) and builds the spans.
+    """
 
     def __init__(self, provider: TracerProvider, owns_provider: bool) -> None:
         self.provider = provider
         self.owns_provider = owns_provider
+        self.handover = DetailHandover(plan_for(getattr(provider, "sampler", None)),
+                                       MAX_PENDING)
         self._tracer = provider.get_tracer(names.TRACER_NAME, __version__)
         self._propagator = TraceContextTextMapPropagator()
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._dropped = 0
+        self._wake = threading.Event()
+        self._flushes: list[threading.Event] = []
+        self._stopping = False
         self._failed = False
         self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="otel-specdec-spans",
                                          daemon=True)
         self._thread.start()
 
-    # --- the scheduler's thread -------------------------------------------
-
-    def submit(self, request: Any, detail: Any, totals: Any) -> None:
-        """Queue one finished request (no SDK call here)."""
-        if self._failed:
-            return
-        if self._queue.qsize() >= MAX_PENDING:
-            self._dropped += 1
-            if self._dropped == 1:
-                _logger.warning("otel_specdec: more than %d finished requests wait for their "
-                                "span; dropping spans until the backlog clears", MAX_PENDING)
-            return
-        finished_reason = getattr(request, "get_finished_reason", None)
-        reason = finished_reason() if finished_reason is not None else None
-        self._queue.put((getattr(request, "trace_headers", None),
-                         str(reason) if reason is not None else None,
-                         detail, totals, time.time_ns()))
+    def details_for_accounting(self) -> DetailHandover | None:
+        """The hand-over for the accounting; None where no span can be sampled
+        (the plan keeps no request's detail: the accounting runs as with spans off)."""
+        return None if self.handover.plan.keeps_none() else self.handover
 
     # --- the worker thread ----------------------------------------------
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+            # Read before taking: what a flush or a stop waits for was handed
+            # over before it asked.
+            stopping = self._stopping
+            flushes = self._flushes[:]
+            for item in self.handover.take():
+                if self._failed:
+                    break
+                try:
+                    self._emit(*item)
+                except Exception:
+                    self._failed = True
+                    _logger.exception("otel_specdec: internal error while building a request "
+                                      "span; request spans are off in this process")
+            for reached in flushes:
+                self._flushes.remove(reached)
+                reached.set()
+            if stopping:
+                for reached in self._flushes[:]:
+                    reached.set()
                 return
-            if isinstance(item, threading.Event):  # a flush waits for this point
-                item.set()
-                continue
-            if self._failed:
-                continue
-            try:
-                self._emit(*item)
-            except Exception:
-                self._failed = True
-                _logger.exception("otel_specdec: internal error while building a request "
-                                  "span; request spans are off in this process")
 
-    def _emit(self, headers: Any, reason: str | None, detail: Any, totals: Any,
-              end_ns: int) -> None:
+    def _emit(self, totals: Any, headers: Any, status: Any, first_ns: int, end_ns: int,
+              accepted_counts: Sequence[int], drafted_counts: Sequence[int]) -> None:
         k = totals.num_speculative_tokens
-        drafted_pos, accepted_pos = detail.per_position(k)
-        drafts, drafted, accepted = detail.drafts, detail.drafted, detail.accepted
+        drafts = sum(accepted_counts)
+        accepted = sum(a * c for a, c in enumerate(accepted_counts))
+        drafted = sum(n * c for n, c in enumerate(drafted_counts))
+        if not drafts or not drafted:
+            return
         rate = accepted / drafted
         attributes: dict[str, Any] = {
             **totals.attributes,
@@ -189,15 +202,18 @@ class RequestSpanEmitter:
             names.SPAN_ACCEPTED_TOKENS: accepted,
             names.SPAN_ACCEPTANCE_RATE: rate,
             names.SPAN_MEAN_ACCEPTANCE_LENGTH: 1 + accepted / drafts,
-            names.SPAN_DRAFT_TOKENS_PER_POSITION: drafted_pos,
-            names.SPAN_ACCEPTED_TOKENS_PER_POSITION: accepted_pos,
+            names.SPAN_DRAFT_TOKENS_PER_POSITION: tail_sums(drafted_counts, k),
+            names.SPAN_ACCEPTED_TOKENS_PER_POSITION: tail_sums(accepted_counts, k),
+            # Drafts by acceptance length 1..k+1 (accepted prefix plus the bonus token).
+            names.SPAN_ACCEPTANCE_LENGTH_COUNTS: list(accepted_counts),
         }
+        reason = _vllm_compat.finished_reason(status)
         if reason is not None:
             attributes[names.SPAN_FINISH_REASONS] = [reason]
         parent = self._propagator.extract(dict(headers)) if headers else None
         span = self._tracer.start_span(
             names.SPAN_REQUEST, context=parent, kind=trace.SpanKind.INTERNAL,
-            attributes=attributes, start_time=detail.first_ns,
+            attributes=attributes, start_time=first_ns,
         )
         span.end(end_time=end_ns)
         context = span.get_span_context()
@@ -218,13 +234,11 @@ class RequestSpanEmitter:
         # Half of what is left for building the queued spans, the rest (and
         # whatever building left over) for exporting them.
         if os.getpid() == self._pid and self._thread.is_alive():
-            if stop:
-                self._queue.put(None)
-                self._thread.join(timeout=deadline.remaining_s() / 2)
-            else:
-                reached = threading.Event()
-                self._queue.put(reached)
-                reached.wait(timeout=deadline.remaining_s() / 2)
+            reached = threading.Event()
+            self._flushes.append(reached)
+            self._stopping = self._stopping or stop
+            self._wake.set()
+            reached.wait(timeout=deadline.remaining_s() / 2)
 
         def export() -> None:
             self.provider.force_flush(timeout_millis=int(deadline.remaining_s() * 1000))

@@ -48,6 +48,7 @@ __all__ = [
     "check_scheduler",
     "data_parallel_rank",
     "engine_info",
+    "finished_reason",
     "finished_request_ids",
     "finished_status_threshold",
     "has_method",
@@ -55,7 +56,6 @@ __all__ = [
     "is_decoding",
     "process_manager_class",
     "process_manager_vllm_config",
-    "request_trace_context",
     "speculates",
     "step_inputs",
 ]
@@ -402,6 +402,19 @@ def finished_status_threshold() -> int | None:
     return None
 
 
+def finished_reason(status: Any) -> str | None:
+    """The finish reason vLLM reports for a finished request's status, as text."""
+    if status is None:
+        return None
+    try:
+        from vllm.v1.request import RequestStatus
+
+        reason = RequestStatus.get_finished_reason(status)
+    except Exception:
+        return None
+    return str(reason) if reason is not None else None
+
+
 def is_decoding(request: Any) -> bool:
     """A live, unfinished request that has output from earlier steps."""
     return request is not None and not request.is_finished() and bool(request.num_output_tokens)
@@ -442,15 +455,6 @@ def step_inputs(
 def finished_request_ids(obj: Any) -> Any:
     """``obj.finished_req_ids`` (a scheduler or a scheduler output), or None."""
     return getattr(obj, FINISHED_IDS_ATTR, None)
-
-
-def request_trace_context(request: Any) -> tuple[Any, Any]:
-    """(trace headers, finish reason) of a finished request, each None if absent."""
-    finished_reason = getattr(request, "get_finished_reason", None)
-    return (
-        getattr(request, "trace_headers", None),
-        finished_reason() if callable(finished_reason) else None,
-    )
 
 
 # The front end's manager of engine-core processes (API server, LLM): it

@@ -6,8 +6,11 @@ add up to vLLM's counters; the per-request rate histogram links to them."""
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,12 +19,20 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    ParentBased,
+    TraceIdRatioBased,
+)
 from otel_helpers import histogram
 from scheduler_harness import SchedulerHarness, build_scheduler
 
-from otel_specdec import SpecDecodeInstrumentor, _instruments, _runtime
+from otel_specdec import SpecDecodeInstrumentor, _accounting, _instruments, _runtime, _tracing
 from otel_specdec._bounded import Deadline
+from otel_specdec._request_details import DetailHandover
+from otel_specdec._span_sampling import SamplingPlan, plan_for
+from otel_specdec._totals import SpecDecodeTotals
 
 K = 3
 PARENT_SPAN = "00f067aa0ba902b7"
@@ -56,8 +67,41 @@ class Traced:
                 if s.name == _instruments.SPAN_REQUEST]
 
 
+@pytest.fixture(params=["native", "mixed", "exact"])
+def span_path(request, monkeypatch) -> Iterator[str]:
+    """Each span test through every place request detail is kept.
+
+    "native": the C pass keeps it in its rows; "mixed": the C pass declines
+    every other step, so the exact path adds those steps' detail to the C
+    pass's store and a request's detail is summed from both; "exact": no C
+    pass (``RequestDetails``). Afterwards, the paths that should have taken
+    steps did.
+    """
+    if request.param == "exact":
+        monkeypatch.setattr(_accounting, "NATIVE_SCANNER", None)
+    else:
+        assert _accounting.NATIVE_SCANNER is not None, "the C accelerator was not built"
+    accountants: list = []
+    original_init = _accounting.StepAccountant.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        accountants.append(self)
+        if request.param == "mixed" and self.step_fast is not None:
+            fast, calls = self.step_fast, itertools.count()
+            self.step_fast = lambda *a: fast(*a) if next(calls) % 2 else None
+
+    monkeypatch.setattr(_accounting.StepAccountant, "__init__", recording_init)
+    yield request.param
+    steps = {path: sum(a.steps_by_path()[path] for a in accountants)
+             for path in ("exact", "vectorised", "native")}
+    assert steps["vectorised"] == 0, steps
+    assert (steps["native"] > 0) == (request.param != "exact"), steps
+    assert (steps["exact"] > 0) == (request.param != "native"), steps
+
+
 @pytest.fixture
-def traced(monkeypatch, request) -> Iterator[Traced]:
+def traced(monkeypatch, request, span_path) -> Iterator[Traced]:
     sampler = getattr(request, "param", None)
     for name in list(os.environ):
         if name.startswith("OTEL_"):
@@ -165,25 +209,145 @@ def test_no_span_and_the_vectorised_path_without_the_switch(tiny_model, reader):
 
 
 def test_held_state_stays_bounded_with_spans_on(tiny_model, traced):
-    """With spans on every step takes the exact path: the ids of released
-    requests must still be forgotten after a few steps (they were pruned only
-    in the C step, so they grew with every request served)."""
+    """With spans on, released ids are forgotten after a few steps on every
+    path (they were once pruned only in the C step, so with spans on they
+    grew with every request served), and request detail is held for live
+    requests only."""
     harness = SchedulerHarness(build_scheduler(tiny_model, K))
     accountant = harness.scheduler.__dict__["_otel_specdec_accountant"][1]
-    batch, held = 16, []
+    batch, held, live_detail = 16, [], 0
     for _wave in range(3):
         for _ in range(10):  # 10 rounds of `batch` requests, each run to its end
             harness.add_requests(batch, max_tokens=8, trace_headers=traceparent)
             while harness.scheduler.requests:
                 harness.step(accept_varied, drafts_of_three)
+                live_detail = max(live_detail, accountant.held_state()["span_details"])
         held.append(accountant.held_state())
-    assert accountant.steps_by_path()["native"] == 0  # spans on: the exact path
     # Ids are kept for keep_steps and pruned every few steps: at most the
     # requests released in that many steps (a batch per step, at most).
-    from otel_specdec import _accounting
-
     window = accountant._freed_keep_steps + _accounting._PRUNE_FREED_EVERY_STEPS
     assert all(h["released_ids"] <= window * batch for h in held), held
     assert held[-1]["released_ids"] <= held[0]["released_ids"] + batch, held
     assert all(h["span_details"] == 0 and h["tallies_spilled"] <= batch for h in held), held
+    assert 0 < live_detail <= batch  # detail was kept, for the live requests only
     assert len(traced.finished_spans()) == 3 * 10 * batch
+
+
+def sampled_or_not(i: int) -> dict[str, str]:
+    """Even requests: a sampled parent; odd: an unsampled one."""
+    return {"traceparent": f"00-{trace_id(i)}-{PARENT_SPAN}-{'01' if i % 2 == 0 else '00'}"}
+
+
+@pytest.mark.parametrize("traced", [None], indirect=True)
+def test_unsampled_parents_keep_no_detail(tiny_model, traced):
+    """The default sampler (parent-based): requests whose parent is not
+    sampled get no span and keep no detail while they run; the others do,
+    with vLLM's numbers."""
+    harness = SchedulerHarness(build_scheduler(tiny_model, K, per_request_metrics=True))
+    accountant = harness.scheduler.__dict__["_otel_specdec_accountant"][1]
+    ids = harness.add_requests(6, max_tokens=14, trace_headers=sampled_or_not)
+    most = 0
+    for _ in range(12):
+        harness.step(accept_varied, drafts_of_three)
+        most = max(most, accountant.held_state()["span_details"])
+    assert most == 3  # the three sampled requests, all live at once
+    for req_id in ids:
+        if req_id in harness.scheduler.requests:
+            harness.abort(req_id)
+    spans = traced.finished_spans()
+    assert sorted(f"{s.context.trace_id:032x}" for s in spans) == [trace_id(i) for i in (0, 2, 4)]
+    for span in spans:
+        i = int(f"{span.context.trace_id:032x}", 16) - 1
+        drafted, accepted = harness.vllm_per_request[ids[i]]
+        assert span.attributes[_instruments.SPAN_DRAFT_TOKENS] == drafted
+        assert span.attributes[_instruments.SPAN_ACCEPTED_TOKENS] == accepted
+
+
+@pytest.mark.parametrize("traced", [ALWAYS_OFF, ParentBased(ALWAYS_OFF, ALWAYS_OFF)],
+                         indirect=True)
+def test_a_sampler_that_samples_nothing_costs_what_spans_off_cost(tiny_model, traced):
+    """No span can be sampled: the accounting keeps no detail at all (it is
+    built as with spans off) and the metrics are still vLLM's."""
+    harness = SchedulerHarness(build_scheduler(tiny_model, K))
+    accountant = harness.scheduler.__dict__["_otel_specdec_accountant"][1]
+    assert accountant._add_detail is None and accountant._details is None
+    run(harness, 4, steps=12, headers=sampled_or_not)
+    assert traced.finished_spans() == []
+    point = histogram(traced.reader.get_metrics_data(), _instruments.REQUEST_ACCEPTANCE_RATE)
+    assert point is not None and point.count == 4 and not point.exemplars
+    vllm = harness.vllm
+    assert sum(accountant.totals.accepted_hist) == vllm.drafts
+
+
+HEADER_CASES: list[Any] = [
+    None, {}, {"tracestate": "x=1"},
+    {"traceparent": f"00-{trace_id(3)}-{PARENT_SPAN}-01"},
+    {"traceparent": f"00-{trace_id(3)}-{PARENT_SPAN}-00"},
+    {"traceparent": f"00-{trace_id(3)}-{PARENT_SPAN}-03"},
+    {"traceparent": f"00-{trace_id(3)}-{PARENT_SPAN}-02"},
+    {"traceparent": f"  00-{trace_id(3)}-{PARENT_SPAN}-01 "},
+    {"traceparent": f"01-{trace_id(3)}-{PARENT_SPAN}-01-extra"},
+    {"traceparent": f"00-{trace_id(3)}-{PARENT_SPAN}-01-extra"},
+    {"traceparent": f"ff-{trace_id(3)}-{PARENT_SPAN}-01"},
+    {"traceparent": f"00-{'0' * 32}-{PARENT_SPAN}-01"},
+    {"traceparent": f"00-{trace_id(3)}-{'0' * 16}-01"},
+    {"traceparent": f"00-{trace_id(3).upper()}-{PARENT_SPAN}-01"},
+    {"traceparent": f"00-{trace_id(3)}-{PARENT_SPAN}-1"},
+    {"traceparent": f"00-{trace_id(3)}{PARENT_SPAN}-01"},
+    {"traceparent": ""}, {"traceparent": "garbage"},
+]
+
+
+@pytest.mark.parametrize("plan", [
+    SamplingPlan(True, True, False), SamplingPlan(False, True, False),
+    SamplingPlan(False, False, True), SamplingPlan(True, False, True),
+])
+def test_the_c_pass_reads_trace_context_as_the_sdk_does(plan):
+    """The C pass's own traceparent check decides as the SDK's propagator
+    (``SamplingPlan.keeps``, the reference) for valid, sampled, unsampled
+    and malformed values."""
+    assert _accounting.NATIVE_SCANNER is not None, "the C accelerator was not built"
+    accountant = _accounting.StepAccountant(SpecDecodeTotals({}, K), {},
+                                            details=DetailHandover(plan, 10))
+    scanner = accountant._scanner
+    for headers in HEADER_CASES:
+        request = SimpleNamespace(trace_headers=headers)
+        assert scanner.keeps_detail(request) == plan.keeps(headers), headers
+    assert scanner.keeps_detail(SimpleNamespace()) == plan.root  # no trace_headers field
+
+
+def test_the_plan_follows_the_sampler():
+    assert plan_for(ALWAYS_OFF).keeps_none()
+    assert plan_for(ALWAYS_ON) == SamplingPlan(True, True, True)
+    assert plan_for(ParentBased(ALWAYS_OFF)) == SamplingPlan(False, True, False)
+    assert plan_for(ParentBased(ALWAYS_ON)) == SamplingPlan(True, True, False)
+    assert plan_for(ParentBased(TraceIdRatioBased(0.1))) == SamplingPlan(True, True, False)
+    assert plan_for(TraceIdRatioBased(0.0)).keeps_none()
+    assert plan_for(TraceIdRatioBased(0.5)) == SamplingPlan(True, True, True)
+    assert plan_for(object()) == SamplingPlan(True, True, True)  # unknown: decided later
+
+
+def test_a_stuck_span_worker_drops_spans_once_and_the_metrics_stay_exact(
+        tiny_model, traced, monkeypatch, caplog):
+    """The hand-over is bounded: with the worker not taking anything, details
+    beyond the limit are dropped, one warning says so, and the metrics are
+    vLLM's own; what was kept becomes spans when the worker runs again."""
+    monkeypatch.setattr(_tracing, "MAX_PENDING", 3)
+    taken = DetailHandover.take
+    monkeypatch.setattr(DetailHandover, "take", lambda self: [])  # the worker takes nothing
+    harness = SchedulerHarness(build_scheduler(tiny_model, K, per_request_metrics=True))
+    runtime = _runtime.current()
+    assert runtime is not None and runtime.spans is not None
+    handover = runtime.spans.handover
+    assert handover.limit == 3
+    with caplog.at_level(logging.WARNING, logger="otel_specdec"):
+        ids = run(harness, 8, steps=12)
+        assert len(handover.items) == 3
+    drops = [r for r in caplog.records if "wait for their span" in r.getMessage()]
+    assert len(drops) == 1
+    point = histogram(traced.reader.get_metrics_data(), _instruments.REQUEST_ACCEPTANCE_RATE)
+    assert point is not None and point.count == len(ids)
+    assert sum(harness.scheduler.__dict__["_otel_specdec_accountant"][1]
+               .totals.accepted_hist) == harness.vllm.drafts
+    monkeypatch.setattr(DetailHandover, "take", taken)
+    assert len(traced.finished_spans()) == 3
