@@ -159,6 +159,36 @@ def _time_own_calls(scheduler: Any, own_t: list[float]) -> None:
     accountant.step_fast, accountant.end_step = timed(0), timed(1)
 
 
+class _SpanWorkerClock:
+    """CPU time of the plugin's span worker thread (request spans on).
+
+    It builds spans off the scheduler's thread, but in one process: on a
+    machine where the scheduler's thread is busy in Python it competes for
+    the GIL, so its time is reported beside "added"."""
+
+    def __init__(self) -> None:
+        from otel_specdec import _runtime
+
+        runtime = _runtime.current()
+        self.emitter = runtime.spans if runtime is not None else None
+        self.clock: int | None = None
+        self.began = 0.0
+
+    def start(self) -> None:
+        if self.emitter is not None:
+            self.clock = time.pthread_getcpuclockid(self.emitter._thread.ident)
+            self.began = time.clock_gettime(self.clock)
+
+    def stop(self) -> float:
+        """Seconds of CPU since start, once what was handed over is built."""
+        if self.clock is None or self.emitter is None:
+            return 0.0
+        from otel_specdec._bounded import Deadline
+
+        self.emitter.flush(Deadline(30))
+        return time.clock_gettime(self.clock) - self.began
+
+
 def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = False,
             plugin_first: bool = True, own_time: bool = False) -> dict[str, float]:
     """Two schedulers fed identical streams: one with the plugin, one without.
@@ -208,7 +238,10 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
         # After the update, as vLLM runs it inside its loop on warm data.
         anchor_t.append(_time_anchor(plain.scheduler, prom, so, _anchor_inputs(so, mro)))
 
+    worker = _SpanWorkerClock()
     for step in range(steps + 3):
+        if step == 3:
+            worker.start()
         # Each stream's step is built right before it runs, so both run on
         # equally fresh objects.
         if step < 3:  # prefill and first drafts, untimed
@@ -224,6 +257,7 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
             schedule_t.append((with_plugin.schedule_t, plain.schedule_t))
         with_plugin.finish_step()
         plain.finish_step()
+    worker_s = worker.stop()
     diffs = [w - p for w, p in zip(wrapped_t, plain_t, strict=True)]
     return {
         "plain": statistics.median(plain_t),
@@ -242,6 +276,8 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
         "step_plain_mean": statistics.fmean(
             p + sp for p, (_, sp) in zip(plain_t, schedule_t, strict=True)),
         "anchor": statistics.median(anchor_t),
+        # CPU time of the span worker thread per timed step (spans on).
+        "worker": worker_s / steps,
         "own": statistics.median(own_t[3:]) if own_t[3:] else float("nan"),
     }
 
@@ -342,6 +378,9 @@ def _row(batch: int, k: int, rounds: list[dict[str, float]], controls: list[dict
              + " ".join(f"{p:.1f}" for p in mean_pct))
     if own_time:
         line += f"  | own {r['own'] * 1e6:.1f} µs = {100 * r['own'] / r['plain']:.1f}%"
+    if r["worker"]:
+        line += (f"  | span worker {r['worker'] * 1e6:.1f} µs/step = "
+                 f"{100 * r['worker'] / r['plain_mean']:.1f}% (CPU, its own thread)")
     return line
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,6 +71,8 @@ MAX_PENDING = 10_000
 # it at once): spans are built in batches, and the scheduler's thread never
 # signals it.
 POLL_S = 0.2
+# The longest the worker holds the GIL while building a batch of spans.
+YIELD_S = 0.002
 
 _configured_provider: TracerProvider | None = None
 
@@ -169,6 +172,7 @@ class RequestSpanEmitter:
             # over before it asked.
             stopping = self._stopping
             flushes = self._flushes[:]
+            held_since = time.perf_counter()
             for item in self.handover.take():
                 if self._failed:
                     break
@@ -178,6 +182,13 @@ class RequestSpanEmitter:
                     self._failed = True
                     _logger.exception("otel_specdec: internal error while building a request "
                                       "span; request spans are off in this process")
+                # Let the GIL go every YIELD_S of spans: a scheduler step
+                # waiting for it waits that long at most, not the
+                # interpreter's switch interval (5 ms). Not after every span:
+                # each hand-off costs more than a span.
+                if time.perf_counter() - held_since > YIELD_S:
+                    time.sleep(0)
+                    held_since = time.perf_counter()
             for reached in flushes:
                 self._flushes.remove(reached)
                 reached.set()
