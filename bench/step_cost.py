@@ -18,7 +18,7 @@ its Prometheus side). Reported: medians per step; "added" is the median of
 the per-step differences (the same step of both streams); each configuration
 runs ``--rounds`` times on fresh schedulers (which of the two is built first
 alternates by round) and the medians across rounds are printed, with each
-round's added %. ``--control`` runs both schedulers without the plugin: its
+round's mean added %. ``--control`` runs both schedulers without the plugin: its
 "added" is the measurement's own noise floor.
 
 ``--own-time`` also times the plugin's own calls inside the hook (its C
@@ -26,20 +26,34 @@ step and its release after the update, through thin timing wrappers that
 add a little to "added"): the part of "added" that is the plugin's code
 itself, measured directly rather than as a difference of two noisy times.
 
+What "added" covers: the whole hook (the accounting before the host's
+update and the release after it), timed around ``update_from_output``.
+Besides the median per step it prints the mean ("mean %": every step
+counts, including the periodic pruning and the steps the median passes
+over) and the whole step's mean with the schedule included ("step %": what
+the plugin leaves behind shows in the next schedule). Both streams run the
+same code around their update (vLLM's statistics path follows both), so
+neither inherits the other's cache state; ``--net`` runs a control round
+beside each round and subtracts its mean, the measurement's own bias.
+
     .venv/bin/python -m bench.step_cost [--batches 1,64,256,1024] [--ks 1,4,8] [--steps 300]
-                                        [--rounds 5] [--tracing] [--control]
+                                        [--rounds 5] [--tracing] [--control] [--net]
                                         [--pure-python] [--exact-only] [--own-time]
+                                        [--parents none|sampled|unsampled]
 
 ``--tracing`` turns request spans on (``OTEL_SPECDEC_TRACES=true``, spans
 built on the plugin's worker thread and handed to an exporter that drops
-them): the added time then includes the exact accounting path that spans
-need and the hand-over of each finished request.
+them; ``OTEL_TRACES_SAMPLER`` picks the sampler, every span sampled by
+default): the added time then includes keeping each request's detail and
+handing finished requests over; the worker's own CPU time per step is
+printed beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import random
 import statistics
 import tempfile
@@ -91,10 +105,18 @@ def _time_anchor(scheduler: Any, prom: Any, so: Any, items: list[tuple[int, int,
         scheduler.log_stats = False
 
 
+def _parent_headers(sampled: bool) -> Any:
+    """Each request's trace headers: a client's traceparent, sampled or not."""
+    ids = iter(range(1, 1 << 60))
+    flags = "01" if sampled else "00"
+    return lambda _i: {"traceparent": f"00-{next(ids):032x}-00f067aa0ba902b7-{flags}"}
+
+
 class _Stream:
     """One scheduler fed a deterministic stream of requests and model outputs."""
 
-    def __init__(self, model_dir: str, batch: int, k: int, seed: int) -> None:
+    def __init__(self, model_dir: str, batch: int, k: int, seed: int,
+                 parents: str = "none") -> None:
         from tests.scheduler_harness import SchedulerHarness, build_scheduler
 
         self.harness = SchedulerHarness(build_scheduler(model_dir, k, log_stats=False,
@@ -105,6 +127,8 @@ class _Stream:
         self.drafts = list(range(20, 20 + k))
         self.step_no = 0
         self.schedule_t = 0.0
+        # The trace context requests arrive with (a client's traceparent).
+        self.headers = None if parents == "none" else _parent_headers(parents == "sampled")
         self._so: Any = None
 
     def accept(self, req_id: str, d: list[int]) -> int:
@@ -121,7 +145,8 @@ class _Stream:
         would show in the next schedule, so it is part of what it adds.
         """
         for _ in range(self.batch - len(self.scheduler.requests)):
-            self.harness.add_requests(1, max_tokens=self.rng.randint(64, 192))
+            self.harness.add_requests(1, max_tokens=self.rng.randint(64, 192),
+                                      trace_headers=self.headers)
         t0 = time.perf_counter()
         self._so = self.harness.schedule()
         self.schedule_t = time.perf_counter() - t0
@@ -175,7 +200,8 @@ class _SpanWorkerClock:
         self.began = 0.0
 
     def start(self) -> None:
-        if self.emitter is not None:
+        # Not started where no span can be sampled (the plugin has no work for it).
+        if self.emitter is not None and self.emitter._thread.ident is not None:
             self.clock = time.pthread_getcpuclockid(self.emitter._thread.ident)
             self.began = time.clock_gettime(self.clock)
 
@@ -190,7 +216,8 @@ class _SpanWorkerClock:
 
 
 def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = False,
-            plugin_first: bool = True, own_time: bool = False) -> dict[str, float]:
+            plugin_first: bool = True, own_time: bool = False,
+            parents: str = "none") -> dict[str, float]:
     """Two schedulers fed identical streams: one with the plugin, one without.
 
     Each step both run the same step of their own stream; which one runs
@@ -201,7 +228,8 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
     better memory layout).
     """
     seed = batch * 100 + k
-    first, second = _Stream(model_dir, batch, k, seed), _Stream(model_dir, batch, k, seed)
+    first, second = (_Stream(model_dir, batch, k, seed, parents),
+                     _Stream(model_dir, batch, k, seed, parents))
     with_plugin, plain = (first, second) if plugin_first else (second, first)
     own_t: list[float] = []
     if own_time and not control:
@@ -283,8 +311,6 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
 
 
 def _discarding_tracer_provider() -> Any:
-    import os
-
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
@@ -316,6 +342,8 @@ def main() -> None:
     parser.add_argument("--net", action="store_true",
                         help="also run a control round beside each round and subtract "
                              "its mean")
+    parser.add_argument("--parents", choices=("none", "sampled", "unsampled"), default="none",
+                        help="requests arrive with a client's traceparent, sampled or not")
     parser.add_argument("--own-time", action="store_true",
                         help="also time the plugin's own calls inside the hook")
     args = parser.parse_args()
@@ -340,7 +368,9 @@ def main() -> None:
         tracer_provider=_discarding_tracer_provider() if args.tracing else None)
     accounting = ("exact path only" if args.exact_only else "pure Python"
                   if _accounting.NATIVE_SCANNER is None else "C accelerator")
-    print(f"request spans: {'on' if args.tracing else 'off'}; accounting: {accounting}"
+    sampler = os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on")
+    print(f"request spans: {f'on ({sampler})' if args.tracing else 'off'}; "
+          f"parents: {args.parents}; accounting: {accounting}"
           f"{'; CONTROL: no plugin on either side' if args.control else ''}")
     print(f"{'batch':>6} {'k':>3} {'unwrapped µs':>13} {'with plugin µs':>15} "
           f"{'added µs':>9} {'added %':>8} {'mean %':>7} {'step %':>7}"
@@ -351,10 +381,11 @@ def main() -> None:
             rounds, controls = [], []
             for i in range(args.rounds):
                 rounds.append(measure(model_dir, batch, k, args.steps, args.control,
-                                      plugin_first=i % 2 == 0, own_time=args.own_time))
+                                      plugin_first=i % 2 == 0, own_time=args.own_time,
+                                      parents=args.parents))
                 if args.net:  # the noise floor, round by round beside the plugin's
                     controls.append(measure(model_dir, batch, k, args.steps, True,
-                                            plugin_first=i % 2 == 1))
+                                            plugin_first=i % 2 == 1, parents=args.parents))
             print(_row(batch, k, rounds, controls, args.own_time), flush=True)
 
 

@@ -12,7 +12,8 @@ sampling plan, ``_span_sampling``).
 A finished request's detail is one tuple on the ``DetailHandover`` list,
 appended on the scheduler's thread (by C, or here) and taken by the span
 worker thread: ``(totals, trace_headers, status, first_ns, end_ns,
-accepted_counts, drafted_counts)``. The list is bounded: a detail that does
+packed_counts)`` (``pack_counts``: one bytes object, as the C pass builds it
+in one allocation). The list is bounded: a detail that does
 not fit is dropped and the first drop is logged.
 """
 
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from otel_specdec._span_sampling import SamplingPlan
 
-__all__ = ["DetailHandover", "RequestDetails", "tail_sums"]
+__all__ = ["DetailHandover", "RequestDetails", "pack_counts", "tail_sums", "unpack_counts"]
 
 _logger = logging.getLogger(__name__)
 
@@ -38,6 +40,19 @@ def tail_sums(hist: Sequence[int], k: int) -> list[int]:
         running += hist[value]
         out[value - 1] = running
     return out
+
+
+def pack_counts(accepted: Sequence[int], drafted: Sequence[int]) -> bytes:
+    """A request's counts as handed over: n accepted-length counts, then n
+    drafted-length counts, native 64-bit integers (the C pass's layout)."""
+    return array("q", [*accepted, *drafted]).tobytes()
+
+
+def unpack_counts(packed: bytes) -> tuple[list[int], list[int]]:
+    """(accepted-length counts, drafted-length counts) from ``pack_counts``."""
+    counts = memoryview(packed).cast("q").tolist()
+    half = len(counts) // 2
+    return counts[:half], counts[half:]
 
 
 class DetailHandover:
@@ -130,7 +145,7 @@ class RequestDetails:
             self._handover.offer((
                 self._totals, getattr(request, "trace_headers", None),
                 getattr(request, "status", None), detail.first_ns, time.time_ns(),
-                tuple(detail.accepted), tuple(detail.drafted),
+                pack_counts(detail.accepted, detail.drafted),
             ))
 
     def drop_missing(self, live: Mapping[str, object]) -> None:

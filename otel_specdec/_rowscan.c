@@ -460,31 +460,38 @@ add_row_detail(Scanner *self, Py_ssize_t i, PyObject *req_id, Py_ssize_t a, Py_s
     return 0;
 }
 
-/* A tuple of the counts: row (or NULL) plus the spilled list (or NULL). */
+/* The request's counts, row (or NULL) plus spilled entry (or NULL), as
+ * the bytes of 2n native long longs: n accepted-length counts, then n
+ * drafted-length counts (one allocation; the worker reads them with
+ * memoryview.cast("q")). */
 static PyObject *
-summed_counts(const long long *row, Py_ssize_t dsize, PyObject *spilled)
+packed_counts(const long long *row, Py_ssize_t dsize, PyObject *entry)
 {
-    Py_ssize_t m = spilled != NULL ? PyList_GET_SIZE(spilled) : 0;
-    Py_ssize_t n = m > dsize ? m : dsize;
-    PyObject *out = PyTuple_New(n);
+    PyObject *spilled[2] = {entry ? PyList_GET_ITEM(entry, 2) : NULL,
+                            entry ? PyList_GET_ITEM(entry, 3) : NULL};
+    Py_ssize_t n = dsize;
+    for (int h = 0; h < 2; h++)
+        if (spilled[h] != NULL && PyList_GET_SIZE(spilled[h]) > n)
+            n = PyList_GET_SIZE(spilled[h]);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 2 * n * sizeof(long long));
     if (out == NULL)
         return NULL;
-    for (Py_ssize_t v = 0; v < n; v++) {
-        long long count = row != NULL && v < dsize ? row[v] : 0;
-        if (v < m) {
-            long long more = PyLong_AsLongLong(PyList_GET_ITEM(spilled, v));
+    long long *counts = (long long *)PyBytes_AS_STRING(out);
+    memset(counts, 0, 2 * n * sizeof(long long));
+    for (int h = 0; h < 2; h++) {
+        long long *into = counts + h * n;
+        if (row != NULL)
+            for (Py_ssize_t v = 0; v < dsize; v++)
+                into[v] = row[h * dsize + v];
+        Py_ssize_t m = spilled[h] != NULL ? PyList_GET_SIZE(spilled[h]) : 0;
+        for (Py_ssize_t v = 0; v < m; v++) {
+            long long more = PyLong_AsLongLong(PyList_GET_ITEM(spilled[h], v));
             if (more == -1 && PyErr_Occurred()) {
                 Py_DECREF(out);
                 return NULL;
             }
-            count += more;
+            into[v] += more;
         }
-        PyObject *value = PyLong_FromLongLong(count);
-        if (value == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(out, v, value);
     }
     return out;
 }
@@ -505,32 +512,30 @@ handover_room(Scanner *self)
     return 0;
 }
 
-/* One finished request's detail onto the hand-over list. */
+/* One finished request's detail onto the hand-over list: (totals, trace
+ * headers, status, first ns, end ns, packed counts). */
 static int
-append_detail(Scanner *self, PyObject *request, long long first, const long long *counts,
+append_detail(Scanner *self, PyObject *request, long long first, const long long *row,
               PyObject *entry)
 {
-    PyObject *acc = NULL, *drf = NULL, *headers = NULL, *status = NULL, *item = NULL;
+    PyObject *item = PyTuple_New(6);
+    if (item == NULL)
+        return -1;
+    PyTuple_SET_ITEM(item, 0, Py_NewRef(self->totals));
+    PyObject *headers = field(request, str_trace_headers);
+    PyTuple_SET_ITEM(item, 1, headers ? headers : Py_NewRef(Py_None));
+    PyObject *status = PyErr_Occurred() ? NULL : field(request, str_status);
+    PyTuple_SET_ITEM(item, 2, status ? status : Py_NewRef(Py_None));
     int rc = -1;
-    acc = summed_counts(counts, self->dsize, entry ? PyList_GET_ITEM(entry, 2) : NULL);
-    drf = summed_counts(counts ? counts + self->dsize : NULL, self->dsize,
-                        entry ? PyList_GET_ITEM(entry, 3) : NULL);
-    if (acc == NULL || drf == NULL)
-        goto done;
-    if ((headers = field(request, str_trace_headers)) == NULL && PyErr_Occurred())
-        goto done;
-    if ((status = field(request, str_status)) == NULL && PyErr_Occurred())
-        goto done;
-    item = Py_BuildValue("(OOOLLOO)", self->totals, headers ? headers : Py_None,
-                         status ? status : Py_None, first, now_ns(), acc, drf);
-    if (item != NULL)
-        rc = PyList_Append(self->handover, item);
-done:
-    Py_XDECREF(acc);
-    Py_XDECREF(drf);
-    Py_XDECREF(headers);
-    Py_XDECREF(status);
-    Py_XDECREF(item);
+    if (!PyErr_Occurred()) {
+        PyObject *values[3] = {PyLong_FromLongLong(first), PyLong_FromLongLong(now_ns()),
+                               packed_counts(row, self->dsize, entry)};
+        for (int j = 0; j < 3; j++)
+            PyTuple_SET_ITEM(item, 3 + j, values[j]); /* NULL where it failed */
+        if (values[0] && values[1] && values[2])
+            rc = PyList_Append(self->handover, item);
+    }
+    Py_DECREF(item);
     return rc;
 }
 

@@ -27,17 +27,17 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import sampling
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-__all__ = ["KEEP_ALL", "PLAN_ROLES", "SamplingPlan", "plan_for"]
-
-# The kinds of request by trace context, in the order the C pass takes them.
-PLAN_ROLES = ("root", "sampled_parent", "unsampled_parent")
+__all__ = ["KEEP_ALL", "SamplingPlan", "plan_for"]
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
 @dataclass(frozen=True)
 class SamplingPlan:
-    """Whether a request's detail is kept, by the kind of its trace context."""
+    """Whether a request's detail is kept, by the kind of its trace context.
+
+    The C pass is given ``as_dict()`` and takes each kind by its field name.
+    """
 
     root: bool
     sampled_parent: bool

@@ -27,7 +27,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -39,7 +38,7 @@ from otel_specdec import _instruments as names
 from otel_specdec import _vllm_compat
 from otel_specdec import environment_variables as env_vars
 from otel_specdec._bounded import Deadline, call_within
-from otel_specdec._request_details import DetailHandover, tail_sums
+from otel_specdec._request_details import DetailHandover, tail_sums, unpack_counts
 from otel_specdec._settings import (
     PROTOCOLS,
     SHUTDOWN_TIMEOUT_ENV,
@@ -155,7 +154,8 @@ class RequestSpanEmitter:
         self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="otel-specdec-spans",
                                          daemon=True)
-        self._thread.start()
+        if not self.handover.plan.keeps_none():  # else no span can be sampled: no work
+            self._thread.start()
 
     def details_for_accounting(self) -> DetailHandover | None:
         """The hand-over for the accounting; None where no span can be sampled
@@ -198,7 +198,8 @@ class RequestSpanEmitter:
                 return
 
     def _emit(self, totals: Any, headers: Any, status: Any, first_ns: int, end_ns: int,
-              accepted_counts: Sequence[int], drafted_counts: Sequence[int]) -> None:
+              packed_counts: bytes) -> None:
+        accepted_counts, drafted_counts = unpack_counts(packed_counts)
         k = totals.num_speculative_tokens
         drafts = sum(accepted_counts)
         accepted = sum(a * c for a, c in enumerate(accepted_counts))

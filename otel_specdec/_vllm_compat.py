@@ -19,6 +19,7 @@ is in ``AccountingRules``, the one place that reads vLLM's version.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import re
@@ -407,12 +408,17 @@ def finished_reason(status: Any) -> str | None:
     if status is None:
         return None
     try:
-        from vllm.v1.request import RequestStatus
-
-        reason = RequestStatus.get_finished_reason(status)
+        reason = _finished_reason_of()(status)
     except Exception:
         return None
     return str(reason) if reason is not None else None
+
+
+@functools.cache
+def _finished_reason_of() -> Any:
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.get_finished_reason
 
 
 def is_decoding(request: Any) -> bool:

@@ -316,6 +316,24 @@ def test_the_c_pass_reads_trace_context_as_the_sdk_does(plan):
     assert scanner.keeps_detail(SimpleNamespace()) == plan.root  # no trace_headers field
 
 
+def test_the_c_pass_takes_the_plan_by_name():
+    """The plan's kinds are passed by name: one missing or one too many is refused."""
+    def build(plan: dict) -> Any:
+        return _accounting.NATIVE_SCANNER(
+            SpecDecodeTotals({}, K), {}, _instruments.REQUEST_RATE_BOUNDS,
+            _accounting.STEP_FIELDS._asdict(), _accounting.STEP_COUNTS, track_padding=True,
+            in_flight=False, skip_finished=True, finished_above=None, keep_steps=4,
+            prune_every=8, sweep_every=64, detail_plan=plan, handover=[], handover_limit=4,
+            on_drop=None)
+
+    full = SamplingPlan(True, False, True).as_dict()
+    assert build(full).keeps_detail(SimpleNamespace(trace_headers=None))
+    with pytest.raises(KeyError):
+        build({k: v for k, v in full.items() if k != "unsampled_parent"})
+    with pytest.raises(ValueError):
+        build({**full, "local_parent": True})
+
+
 def test_the_plan_follows_the_sampler():
     assert plan_for(ALWAYS_OFF).keeps_none()
     assert plan_for(ALWAYS_ON) == SamplingPlan(True, True, True)
