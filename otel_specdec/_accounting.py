@@ -143,6 +143,7 @@ class StepAccountant:
         "_vectorised_steps",
         "_details",
         "_add_detail",
+        "_handover",
     )
 
     def __init__(
@@ -221,6 +222,7 @@ class StepAccountant:
         scanner = self._scanner
         self._details: RequestDetails | None = None
         self._add_detail: Any = None
+        self._handover = details
         if details is not None:
             if scanner is not None:
                 self._add_detail = scanner.add_detail
@@ -656,7 +658,8 @@ class StepAccountant:
         scanner = self._scanner
         released = tallies.released if scanner is not None else self._freed
         if scanner is not None:
-            span_details = len(set(scanner.detail_owners).union(scanner.detail_spilled))
+            spilled = [r for r, detail in scanner.detail_spilled.items() if detail is not None]
+            span_details = len(set(scanner.detail_owners).union(spilled))
         else:
             span_details = len(self._details) if self._details is not None else 0
         return {
@@ -664,6 +667,8 @@ class StepAccountant:
             "tallies_spilled": len(tallies.spilled),
             "released_ids": len(released),
             "span_details": span_details,
+            # Finished requests waiting for the span worker (all schedulers').
+            "spans_waiting": len(self._handover.items) if self._handover is not None else 0,
         }
 
     def forget_requests(self) -> None:

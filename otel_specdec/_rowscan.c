@@ -372,7 +372,7 @@ static PyObject *
 spilled_detail(Scanner *self, PyObject *req_id, PyObject *request)
 {
     PyObject *entry = PyDict_GetItemWithError(self->det_spilled, req_id);
-    if (entry != NULL || PyErr_Occurred())
+    if ((entry != NULL && entry != Py_None) || PyErr_Occurred())
         return entry;
     PyObject *acc = PyList_New(0), *drf = PyList_New(0);
     entry = acc && drf ? Py_BuildValue("[OiOO]", request, 0, acc, drf) : NULL;
@@ -409,10 +409,16 @@ reset_row_detail(Scanner *self, Py_ssize_t i)
     Py_CLEAR(self->det_req[i]);
 }
 
-/* The row's owner leaves it: its detail moves to det_spilled. */
+/* The row's owner leaves it: its detail moves to det_spilled, or, for a
+ * request the plan keeps none of, the decision does (None), so that its
+ * next row does not read its trace context again. */
 static int
 spill_row_detail(Scanner *self, Py_ssize_t i)
 {
+    PyObject *owner = PyList_GET_ITEM(self->owners, i);
+    if (self->want[i] == 0 && owner != Py_None &&
+        PyDict_SetItem(self->det_spilled, owner, Py_None) < 0)
+        return -1;
     if (self->want[i] > 0 && self->first_ns[i]) {
         PyObject *entry = spilled_detail(self, PyList_GET_ITEM(self->owners, i),
                                          self->det_req[i]);
@@ -438,10 +444,20 @@ add_row_detail(Scanner *self, Py_ssize_t i, PyObject *req_id, Py_ssize_t a, Py_s
                long long when)
 {
     if (self->want[i] < 0) {
-        PyObject *request = PyDict_GetItemWithError(self->requests, req_id);
+        /* Decided in an earlier row (it moved): the decision or detail there. */
+        PyObject *known = PyDict_GET_SIZE(self->det_spilled)
+                              ? PyDict_GetItemWithError(self->det_spilled, req_id) : NULL;
+        if (known == NULL && PyErr_Occurred())
+            return -1;
+        if (known == Py_None) {
+            self->want[i] = 0;
+            return 0;
+        }
+        PyObject *request = known != NULL ? PyList_GET_ITEM(known, 0)
+                                          : PyDict_GetItemWithError(self->requests, req_id);
         if (request == NULL)
             return PyErr_Occurred() ? -1 : 0;
-        int keep = keeps_detail(self, request);
+        int keep = known != NULL ? 1 : keeps_detail(self, request);
         if (keep < 0)
             return -1;
         self->want[i] = (signed char)keep;
@@ -555,6 +571,8 @@ hand_over_detail(Scanner *self, PyObject *req_id, Py_ssize_t row)
             Py_DECREF(entry);
             return -1;
         }
+        if (entry == Py_None) /* a request the plan keeps none of */
+            Py_CLEAR(entry);
     }
     int in_row = row >= 0 && self->want[row] > 0 && self->first_ns[row];
     int rc = 0;
@@ -1784,7 +1802,8 @@ Scanner_get_dropped(Scanner *self, void *closure)
 
 static PyGetSetDef Scanner_getset[] = {
     {"detail_spilled", (getter)Scanner_get_det_spilled, NULL,
-     "request id -> [request, first ns, counts, counts]: request detail outside the rows",
+     "request id -> [request, first ns, counts, counts]: request detail outside the rows "
+     "(None: a request that moved rows and keeps none)",
      NULL},
     {"detail_owners", (getter)Scanner_get_detail_owners, NULL,
      "the requests whose detail a row keeps", NULL},

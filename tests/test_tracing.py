@@ -241,19 +241,20 @@ def sampled_or_not(i: int) -> dict[str, str]:
 @pytest.mark.parametrize("traced", [None], indirect=True)
 def test_unsampled_parents_keep_no_detail(tiny_model, traced):
     """The default sampler (parent-based): requests whose parent is not
-    sampled get no span and keep no detail while they run; the others do,
-    with vLLM's numbers."""
+    sampled get no span and keep no detail while they run, also after they
+    move rows (the first three finish early and the batch is condensed);
+    the others do, with vLLM's numbers, summed over their rows."""
     harness = SchedulerHarness(build_scheduler(tiny_model, K, per_request_metrics=True))
     accountant = harness.scheduler.__dict__["_otel_specdec_accountant"][1]
-    ids = harness.add_requests(6, max_tokens=14, trace_headers=sampled_or_not)
-    most = 0
-    for _ in range(12):
+    ids = harness.add_requests(3, max_tokens=6, trace_headers=sampled_or_not)
+    ids += harness.add_requests(3, max_tokens=14, trace_headers=lambda i: sampled_or_not(i + 3))
+    most, moved_unsampled = 0, False
+    while harness.scheduler.requests:  # every request to its end
         harness.step(accept_varied, drafts_of_three)
         most = max(most, accountant.held_state()["span_details"])
+        if accountant._scanner is not None:
+            moved_unsampled |= None in accountant._scanner.detail_spilled.values()
     assert most == 3  # the three sampled requests, all live at once
-    for req_id in ids:
-        if req_id in harness.scheduler.requests:
-            harness.abort(req_id)
     spans = traced.finished_spans()
     assert sorted(f"{s.context.trace_id:032x}" for s in spans) == [trace_id(i) for i in (0, 2, 4)]
     for span in spans:
@@ -261,6 +262,8 @@ def test_unsampled_parents_keep_no_detail(tiny_model, traced):
         drafted, accepted = harness.vllm_per_request[ids[i]]
         assert span.attributes[_instruments.SPAN_DRAFT_TOKENS] == drafted
         assert span.attributes[_instruments.SPAN_ACCEPTED_TOKENS] == accepted
+    if accountant._scanner is not None and accountant.steps_by_path()["exact"] == 0:
+        assert moved_unsampled  # a request that moved rows kept its decision, not detail
 
 
 @pytest.mark.parametrize("traced", [ALWAYS_OFF, ParentBased(ALWAYS_OFF, ALWAYS_OFF)],
