@@ -69,6 +69,17 @@ PATCHES: tuple[Patch, ...] = (
         removable_when="vLLM gives plugins a shutdown hook in the engine-core process",
     ),
     Patch(
+        target="vllm.v1.engine.core.EngineCore.shutdown",
+        module="otel_specdec._patch",
+        why="export the last interval before the executor's teardown (a slow worker "
+            "exit takes up to vLLM's worker grace + 4 s), which the front end's grace "
+            "before its SIGKILL also pays for",
+        how="wrapt wrapper; before the host's, the scheduler's shutdown export (which "
+            "Scheduler.shutdown then skips)",
+        watch="vLLM's EngineCore.shutdown (vllm/v1/engine/core.py)",
+        removable_when="as for Scheduler.shutdown",
+    ),
+    Patch(
         target="vllm.v1.engine.utils.CoreEngineProcManager.__init__, .shutdown",
         module="otel_specdec._shutdown_grace",
         why="vLLM SIGKILLs engine processes right after SIGTERM (shutdown_timeout 0), "

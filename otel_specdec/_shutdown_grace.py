@@ -3,7 +3,8 @@
 (Listed with every other patch in ``otel_specdec._patches``.)
 
 Target: ``vllm.v1.engine.utils.CoreEngineProcManager`` (``__init__`` and
-``shutdown``), in the front-end process (the API server, or the process
+``shutdown``, and the ``weakref.finalize`` that ``__init__`` registers),
+in the front-end process (the API server, or the process
 that created ``LLM``), which starts and stops the engine-core processes.
 
 Why: the engine core exports its last interval from
@@ -21,6 +22,11 @@ shutdown, spans included, and has a ceiling).
 The wait ends as soon as the engine exits; vLLM's own draining rule
 (``shutdown_timeout``) is unchanged, because the engine decides by itself
 whether to abort or drain. Nothing changes for non-speculative engines.
+A script that ends with its ``LLM`` still referenced stops the engine
+from the manager's finalizer at interpreter exit, which calls vLLM's
+module-level ``shutdown`` with its 5 s default and runs before the
+client's own cleanup (it is newer): after the host's ``__init__``, that
+finalizer is replaced by one with the same extended timeout.
 
 Removable when vLLM gives engine processes a grace period to run their
 shutdown path after SIGTERM.
@@ -29,6 +35,7 @@ shutdown path after SIGTERM.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from wrapt import wrap_function_wrapper
@@ -61,7 +68,33 @@ def _init_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         instance.__dict__[_GRACE_ATTR] = grace
     except Exception:
         pass
-    return wrapped(*args, **kwargs)
+    result = wrapped(*args, **kwargs)
+    if grace is not None:
+        try:
+            _extend_finalizer(instance, grace)
+        except Exception:
+            _logger.debug("otel_specdec: shutdown grace not applied at exit", exc_info=True)
+    return result
+
+
+def _with_grace(timeout: Any, grace: float) -> float:
+    """vLLM's timeout (None: its default) plus the grace, never under the default."""
+    base = _VLLM_DEFAULT_GRACE_S if timeout is None else float(timeout)
+    return max(_VLLM_DEFAULT_GRACE_S, base + grace)
+
+
+def _extend_finalizer(instance: Any, grace: float) -> None:
+    """Re-register the manager's finalizer with the extended timeout."""
+    finalizer = _vllm_compat.process_manager_finalizer(instance)
+    if finalizer is None or not _vllm_compat.takes_timeout(finalizer.peek()[1]):
+        return
+    detached = finalizer.detach()
+    if detached is None:
+        return
+    obj, func, args, kwargs = detached
+    kwargs = {**kwargs, "timeout": _with_grace(kwargs.get("timeout"), grace)}
+    instance.__dict__[_vllm_compat.PROCESS_MANAGER_FINALIZER_ATTR] = weakref.finalize(
+        obj, func, *args, **kwargs)
 
 
 def _extended_timeout(instance: Any, args: Any, kwargs: Any) -> float | None:
@@ -69,8 +102,7 @@ def _extended_timeout(instance: Any, args: Any, kwargs: Any) -> float | None:
     grace = instance.__dict__.get(_GRACE_ATTR)
     if grace is None or len(args) + len(kwargs) > 1 or (kwargs and "timeout" not in kwargs):
         return None
-    timeout = args[0] if args else kwargs.get("timeout")
-    return max(_VLLM_DEFAULT_GRACE_S, float(timeout or 0.0) + grace)
+    return _with_grace(args[0] if args else kwargs.get("timeout"), grace)
 
 
 def _shutdown_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:

@@ -38,7 +38,9 @@ __all__ = [
     "FINISHED_IDS_ATTR",
     "HOST_FIELDS",
     "OPTIONAL_METHODS",
+    "ENGINE_CORE_CLASS",
     "PROCESS_MANAGER_CLASS",
+    "PROCESS_MANAGER_FINALIZER_ATTR",
     "REQUIRED_METHODS",
     "SCHEDULER_MODULE",
     "STEP_FIELDS",
@@ -48,6 +50,7 @@ __all__ = [
     "StepFields",
     "check_scheduler",
     "data_parallel_rank",
+    "engine_core_class",
     "engine_info",
     "finished_reason",
     "finished_request_ids",
@@ -56,9 +59,11 @@ __all__ = [
     "host_layout",
     "is_decoding",
     "process_manager_class",
+    "process_manager_finalizer",
     "process_manager_vllm_config",
     "speculates",
     "step_inputs",
+    "takes_timeout",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -465,6 +470,18 @@ def finished_request_ids(obj: Any) -> Any:
 
 # The front end's manager of engine-core processes (API server, LLM): it
 # stops them with SIGTERM and SIGKILLs those still alive after a timeout.
+ENGINE_CORE_CLASS = "vllm.v1.engine.core.EngineCore"
+
+
+def engine_core_class() -> type | None:
+    """``EngineCore``, whose ``shutdown`` tears the executor down before the scheduler."""
+    try:
+        cls = _import(ENGINE_CORE_CLASS)
+    except Exception:
+        return None
+    return cls if has_method(cls, "shutdown") else None
+
+
 PROCESS_MANAGER_MODULE = "vllm.v1.engine.utils"
 PROCESS_MANAGER_CLASS = "CoreEngineProcManager"
 
@@ -485,6 +502,30 @@ def process_manager_class() -> type | None:
     if "vllm_config" not in init_params or "timeout" not in shutdown_params:
         return None
     return cls
+
+
+# The manager's ``weakref.finalize`` that stops its processes when the
+# manager is collected or the interpreter exits without ``shutdown`` (vLLM's
+# 5 s default grace): ``shutdown(procs, timeout=None)``.
+PROCESS_MANAGER_FINALIZER_ATTR = "_finalizer"
+
+
+def process_manager_finalizer(manager: Any) -> Any:
+    """The manager's live ``weakref.finalize``, or None."""
+    import weakref
+
+    finalizer = getattr(manager, "__dict__", {}).get(PROCESS_MANAGER_FINALIZER_ATTR)
+    if isinstance(finalizer, weakref.finalize) and finalizer.alive:
+        return finalizer
+    return None
+
+
+def takes_timeout(func: Any) -> bool:
+    """Whether ``func`` (a process manager's shutdown) takes ``timeout``."""
+    try:
+        return "timeout" in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def process_manager_vllm_config(init: Any, args: Any, kwargs: Any) -> Any:

@@ -11,7 +11,11 @@ an ``LLM`` as the demo does and adds what only tests need:
 * ``trace_headers``: one dict (or None) per prompt, handed to vLLM's engine
   API (``LLM.generate`` takes none).
 * ``drop``: ``"scope"`` lets the ``LLM`` go out of scope (garbage collected)
-  instead of ``del``.
+  instead of ``del``; ``"exit"`` keeps it referenced until the interpreter
+  exits, as a script that never deletes it does.
+* ``probe_executor_shutdown`` (engine core in this process only): the
+  result's ``executor_shutdown_at`` is when (``time.time()``) the engine
+  began tearing its executor down.
 """
 
 from __future__ import annotations
@@ -73,6 +77,22 @@ def _generate_with_headers(llm: Any, config: dict[str, Any], result: dict[str, A
     engine_run.record_round(result, outputs, time.perf_counter() - start)
 
 
+# An LLM left for the interpreter's exit to stop (``drop="exit"``).
+_kept_until_exit: list[Any] = []
+
+
+def _probe_executor_shutdown(llm: Any, result: dict[str, Any]) -> None:
+    """Note when the in-process engine core starts its executor's teardown."""
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    original = executor.shutdown
+
+    def shutdown() -> None:
+        result.setdefault("executor_shutdown_at", time.time())
+        original()
+
+    executor.shutdown = shutdown
+
+
 def _run_in_scope(config: dict[str, Any], result: dict[str, Any]) -> None:
     # The LLM is only referenced here: it goes when this function returns.
     _generate(engine_run.build_llm(config), config, result)
@@ -87,7 +107,12 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
         gc.collect()
     else:
         llm = engine_run.build_llm(config)
+        if config.get("probe_executor_shutdown"):
+            _probe_executor_shutdown(llm, result)
         _generate(llm, config, result)
+        if config.get("drop") == "exit":
+            _kept_until_exit.append(llm)
+            return result
         start = time.perf_counter()
         del llm
     result["shutdown_seconds"] = time.perf_counter() - start

@@ -13,7 +13,8 @@ exporter did try.
 * ``reset``: accepts and resets (RST) every connection at once.
 
 ``RecoveringCollector`` hangs until told to recover, then relays every new
-connection to a real receiver.
+connection to a real receiver. ``SlowCollector`` relays every connection
+to a real receiver after a delay (a collector slow to answer).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -266,3 +268,17 @@ class RecoveringCollector(_TcpCollector):
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+class SlowCollector(RecoveringCollector):
+    """Relays each connection to ``target_port`` after ``delay_s``: every
+    export is answered, ``delay_s`` late."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        super().__init__(target_port)
+        self.delay_s = delay_s
+        self.recovered.set()
+
+    def _relay(self, conn: socket.socket) -> None:
+        time.sleep(self.delay_s)
+        super()._relay(conn)

@@ -20,6 +20,7 @@ from fault_helpers import (
     make_tls_files,
     prometheus_counters,
 )
+from faulty_collectors import SlowCollector
 
 from otel_specdec._instruments import (
     ATTR_METHOD,
@@ -104,6 +105,39 @@ def test_last_interval_is_flushed_when_the_llm_goes(tiny_model, drop, multiproce
                       VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing), timeout=420)
         assert result["vllm"]["drafts"] > 0
         wait_for_totals(receiver.store, result["vllm"], timeout=10)
+
+
+def test_final_export_precedes_the_executor_teardown(tiny_model):
+    """The engine core exports before it tears its executor down (a worker
+    slow to exit takes up to vLLM's worker grace + 4 s, all of it inside the
+    front end's wait before SIGKILL). Observed on an in-process engine core,
+    where the child can note when the teardown begins."""
+    with OtlpReceiver() as receiver:
+        result = run_in_child(
+            {"model": tiny_model, "speculative_config": NGRAM,
+             "probe_executor_shutdown": True},
+            clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint("grpc"),
+                      OTEL_METRIC_EXPORT_INTERVAL="600000",
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0"), timeout=420)
+        wait_for_totals(receiver.store, result["vllm"], timeout=10)
+        assert receiver.store.received_at[0] <= result["executor_shutdown_at"]
+
+
+def test_llm_left_to_interpreter_exit_gets_the_grace_too(tiny_model):
+    """A script that ends with its LLM still referenced: vLLM stops the engine
+    from the process manager's finalizer with its 5 s default. A final
+    export answered 7 s late must still arrive (the plugin's grace)."""
+    with OtlpReceiver() as receiver:
+        slow = SlowCollector(receiver.grpc_port, delay_s=7.0).start()
+        try:
+            result = run_in_child(
+                {"model": tiny_model, "speculative_config": NGRAM, "drop": "exit"},
+                clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{slow.port}",
+                          OTEL_METRIC_EXPORT_INTERVAL="600000"), timeout=420)
+            assert result["vllm"]["drafts"] > 0
+            assert receiver.store.spec_decode_totals() == result["vllm"], result["stderr"][-4000:]
+        finally:
+            slow.stop()
 
 
 @pytest.fixture(scope="module")

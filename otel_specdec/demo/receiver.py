@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import ssl
 import threading
+import time
 import zlib
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -101,11 +102,14 @@ class MetricsStore:
         self._lock = threading.RLock()
         self._series: dict[tuple[Any, ...], _Series] = {}
         self.requests = 0
+        # Wall-clock time (time.time()) of each export request received.
+        self.received_at: list[float] = []
         self.changed = threading.Condition(self._lock)
 
     def ingest(self, request: metrics_service_pb2.ExportMetricsServiceRequest) -> None:
         with self._lock:
             self.requests += 1
+            self.received_at.append(time.time())
             for rm in request.resource_metrics:
                 resource = attributes_of(rm.resource.attributes)
                 for sm in rm.scope_metrics:
