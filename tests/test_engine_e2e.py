@@ -52,7 +52,8 @@ def run_with_receiver(config: dict, protocol: str = "grpc", launcher: tuple[str,
 def assert_totals_equal_vllm(result: dict, store, own_provider: bool = True) -> None:
     vllm = result["vllm"]
     assert vllm["drafts"] > 0
-    assert received(store) == vllm
+    assert received(store) == vllm, (result.get("stderr", "")[-4000:],
+                                     result.get("shutdown_log"))
     length = store.histogram_total("vllm.spec_decode.acceptance_length")
     assert length.count == vllm["drafts"]
     assert length.sum == vllm["drafts"] + vllm["accepted_tokens"]

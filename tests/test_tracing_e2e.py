@@ -79,7 +79,7 @@ def test_offline_request_spans_in_their_traces_sum_to_vllm(tiny_model):
         assert span.start_ns < span.end_ns
     # The spans and the metrics come from the same process identity.
     series = store.series(names.DRAFTS)
-    assert len(series) == 1, result.get("stderr", "")[-8000:]
+    assert len(series) == 1, (result.get("stderr", "")[-6000:], result["shutdown_log"])
     [metric_series] = series
     assert {s.resource["service.instance.id"] for s in spans} == {
         metric_series.resource["service.instance.id"]}

@@ -115,7 +115,8 @@ def run_in_child(config: dict[str, Any], env: dict[str, str], *,
     """``run(config)`` in a fresh Python process with ``env``; its result.
 
     ``launcher`` prefixes the command (e.g. ``opentelemetry-instrument``).
-    With the default ``stderr``, the child's log is returned as ``"stderr"``.
+    With the default ``stderr``, the child's log is returned as ``"stderr"``;
+    vLLM's ``[shutdown]`` log lines (on stdout) as ``"shutdown_log"``.
     ``entry``: what the child runs (a module or script whose ``main`` prints
     one ``RESULT_PREFIX`` line).
     """
@@ -130,6 +131,9 @@ def run_in_child(config: dict[str, Any], env: dict[str, str], *,
     result = json.loads(lines[-1][len(RESULT_PREFIX):])
     if proc.stderr is not None:
         result["stderr"] = proc.stderr
+    # vLLM logs to stdout: its shutdown steps tell how the engine ended.
+    result["shutdown_log"] = "\n".join(
+        line for line in proc.stdout.splitlines() if "[shutdown]" in line)
     return result
 
 
