@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -264,6 +264,44 @@ def test_unsampled_parents_keep_no_detail(tiny_model, traced):
         assert span.attributes[_instruments.SPAN_ACCEPTED_TOKENS] == accepted
     if accountant._scanner is not None and accountant.steps_by_path()["exact"] == 0:
         assert moved_unsampled  # a request that moved rows kept its decision, not detail
+
+
+class CountingHeaders(Mapping):
+    """Trace headers that count the plugin's reads of them."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self._headers = headers
+        self.reads = 0
+
+    def __getitem__(self, key: str) -> str:
+        self.reads += 1
+        return self._headers[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._headers)
+
+    def __len__(self) -> int:
+        return len(self._headers)
+
+
+@pytest.mark.parametrize("span_path", ["native"], indirect=True)
+def test_the_c_pass_reads_trace_context_once_when_the_request_is_scheduled(
+        tiny_model, traced):
+    """The C pass decides a request's detail in the step that first
+    schedules it (vLLM has just touched the request and its headers; at
+    its first verified draft, a step or more later, they are cold), and
+    never reads them again, also after the request moves rows. (The exact
+    path decides at the first verified draft.)"""
+    harness = SchedulerHarness(build_scheduler(tiny_model, K, per_request_metrics=True))
+    headers = [CountingHeaders(sampled_or_not(i)) for i in range(6)]
+    harness.add_requests(3, max_tokens=6, trace_headers=lambda i: headers[i])
+    harness.add_requests(3, max_tokens=14, trace_headers=lambda i: headers[i + 3])
+    harness.step(accept_varied, drafts_of_three)  # the prefill: no draft verified yet
+    assert [h.reads for h in headers] == [1] * 6
+    while harness.scheduler.requests:  # the first three finish early: rows move
+        harness.step(accept_varied, drafts_of_three)
+    assert [h.reads for h in headers] == [1] * 6
+    assert len(traced.finished_spans()) == 3
 
 
 @pytest.mark.parametrize("traced", [ALWAYS_OFF, ParentBased(ALWAYS_OFF, ALWAYS_OFF)],
