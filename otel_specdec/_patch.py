@@ -30,15 +30,8 @@ Target: ``vllm.v1.core.sched.scheduler.Scheduler`` (subclasses such as
   processes started by fork end without running exit hooks, so this is
   where the last interval's counts leave the process. The front end's
   process manager gives it the time to (``_shutdown_grace``).
-
-Target: ``vllm.v1.engine.core.EngineCore.shutdown`` (the engine-core
-process; ``DPEngineCoreProc`` calls it through ``super``): before the
-host's, the same export as ``Scheduler.shutdown``'s. The host tears the
-executor down first (up to vLLM's worker grace plus 4 s before it kills a
-worker), then the scheduler, and after SIGTERM the front end's grace runs
-all that time: the export goes first, so a slow worker exit cannot cut it
-off. ``Scheduler.shutdown`` stays the export for a scheduler shut down
-without its engine core (and then finds nothing left to do).
+  An engine core exports earlier, before its executor's teardown
+  (``_shutdown_grace``); this one then finds nothing left to do.
 
 Why patch: vLLM exposes these numbers only to its Prometheus and logging
 stat loggers, and only when stats logging is on. Removable when vLLM offers
@@ -77,7 +70,6 @@ _RUNTIME_ATTR = "_otel_specdec_runtime"
 _lock = threading.Lock()
 _installed_on: type | None = None
 _wrapped_methods: list[str] = []
-_engine_core_patched: type | None = None
 
 
 def _attach(scheduler: Any) -> StepAccountant | None:
@@ -198,6 +190,8 @@ def _finish_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
 
 def _stop_accounting(scheduler: Any) -> None:
     """Release what is left and export what the engine counted (once)."""
+    if _RUNTIME_ATTR not in getattr(scheduler, "__dict__", {}):
+        return  # stopped already, or never counted
     try:
         accountant = _attached(scheduler)
         if accountant is not None:
@@ -218,17 +212,6 @@ def _shutdown_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> An
         _stop_accounting(instance)
 
 
-def _engine_shutdown_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-    # Before the host's executor teardown, which the front end's grace also pays for.
-    try:
-        scheduler = getattr(instance, "scheduler", None)
-        if scheduler is not None and _RUNTIME_ATTR in getattr(scheduler, "__dict__", {}):
-            _stop_accounting(scheduler)
-    except Exception:
-        _logger.warning("otel_specdec: flush at shutdown failed", exc_info=True)
-    return wrapped(*args, **kwargs)
-
-
 _MISSING_METHOD_EFFECT = {
     "finish_requests": "aborted requests' rates are recorded at the next step",
     "shutdown": "metrics are not flushed at shutdown",
@@ -242,26 +225,6 @@ _WRAPPERS = {
 }
 # The step method, replaced by a plain function (see _update_hook).
 _HOT_METHOD = "update_from_output"
-
-
-def _patch_engine_core() -> None:
-    global _engine_core_patched
-    cls = _vllm_compat.engine_core_class()
-    if cls is None:
-        _logger.debug("otel_specdec: %s not found; the export at shutdown waits for "
-                      "the executor's teardown", _vllm_compat.ENGINE_CORE_CLASS)
-        return
-    wrap_function_wrapper(cls, "shutdown", _engine_shutdown_wrapper)
-    _engine_core_patched = cls
-
-
-def _unpatch_engine_core() -> None:
-    global _engine_core_patched
-    from opentelemetry.instrumentation.utils import unwrap
-
-    if _engine_core_patched is not None:
-        unwrap(_engine_core_patched, "shutdown")
-        _engine_core_patched = None
 
 
 def is_installed() -> bool:
@@ -294,8 +257,7 @@ def install() -> bool:
                 wrap_function_wrapper(scheduler_cls, method, _WRAPPERS[method])
             _wrapped_methods.append(method)
         if "shutdown" in _wrapped_methods:
-            _shutdown_grace.install()
-            _patch_engine_core()
+            _shutdown_grace.install(_stop_accounting)
         if NATIVE_SCANNER is None:
             _logger.info("otel_specdec: the C accelerator (otel_specdec._rowscan) is not "
                          "built; the pure-Python accounting serves (a higher cost per step)")
@@ -319,6 +281,5 @@ def uninstall() -> None:
                 unwrap(_installed_on, method)
         _wrapped_methods.clear()
         _shutdown_grace.uninstall()
-        _unpatch_engine_core()
         _installed_on = None
     _runtime.shutdown()

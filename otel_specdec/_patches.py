@@ -70,7 +70,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         target="vllm.v1.engine.core.EngineCore.shutdown",
-        module="otel_specdec._patch",
+        module="otel_specdec._shutdown_grace",
         why="export the last interval before the executor's teardown (a slow worker "
             "exit takes up to vLLM's worker grace + 4 s), which the front end's grace "
             "before its SIGKILL also pays for",

@@ -121,6 +121,8 @@ class Runtime:
         if self.closed:
             return
         deadline = Deadline(self.shutdown_budget_s)
+        if self.spans is not None:
+            self.spans.build_queued(deadline)
         began = time.monotonic()
         done = call_within(
             lambda: self.provider.force_flush(timeout_millis=_millis(deadline)),
@@ -141,6 +143,9 @@ class Runtime:
                 return
             self.closed = True
         deadline = Deadline(self.shutdown_budget_s)
+        if self.spans is not None:
+            # Spans built first: the final export's exemplars point at them.
+            self.spans.build_queued(deadline)
         if self.owns_provider:
             began = time.monotonic()
             done = call_within(

@@ -1,6 +1,22 @@
-"""The patch that lets a speculative engine export its last interval.
+"""The patches that let a speculative engine export its last interval.
 
 (Listed with every other patch in ``otel_specdec._patches``.)
+
+Target: ``vllm.v1.engine.core.EngineCore.shutdown``, in the engine-core
+process (``DPEngineCoreProc`` calls it through ``super``).
+
+Why: the host tears the executor down first (a worker slow to exit takes
+up to vLLM's worker grace plus 4 s before it is killed), then the
+scheduler, whose ``shutdown`` exports; after SIGTERM the front end's
+grace (below) runs all that time.
+
+How: before the host's, the scheduler's shutdown export
+(``_patch._stop_accounting``, handed to ``install``), so a slow worker
+exit cannot cut it off. ``Scheduler.shutdown`` then finds nothing left
+to do; it stays the export for a scheduler shut down without its engine
+core.
+
+Removable when vLLM gives plugins a shutdown hook in the engine core.
 
 Target: ``vllm.v1.engine.utils.CoreEngineProcManager`` (``__init__`` and
 ``shutdown``, and the ``weakref.finalize`` that ``__init__`` registers),
@@ -36,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from wrapt import wrap_function_wrapper
@@ -47,12 +64,15 @@ __all__ = ["install", "uninstall"]
 _logger = logging.getLogger(__name__)
 
 _GRACE_ATTR = "_otel_specdec_grace_s"
-# Engine teardown before the scheduler's shutdown runs (executor, workers).
+# The rest of the engine's teardown (executor, workers, distributed state).
 _TEARDOWN_MARGIN_S = 5.0
 # vLLM's own grace when no timeout is given.
 _VLLM_DEFAULT_GRACE_S = 5.0
 
 _patched: type | None = None
+_engine_core_patched: type | None = None
+# Exports what a scheduler's engine counted (_patch._stop_accounting).
+_stop_scheduler: Callable[[Any], None] | None = None
 
 
 def _init_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
@@ -116,9 +136,26 @@ def _shutdown_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> An
     return wrapped(timeout=extended)
 
 
-def install() -> None:
-    """Patch the process manager once; silently skipped where it differs."""
-    global _patched
+def _engine_shutdown_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+    try:
+        scheduler = getattr(instance, "scheduler", None)
+        if scheduler is not None and _stop_scheduler is not None:
+            _stop_scheduler(scheduler)
+    except Exception:
+        _logger.warning("otel_specdec: flush at shutdown failed", exc_info=True)
+    return wrapped(*args, **kwargs)
+
+
+def install(stop_scheduler: Callable[[Any], None]) -> None:
+    """Patch the process manager and the engine core once; each silently
+    skipped where it differs."""
+    global _patched, _engine_core_patched, _stop_scheduler
+    _stop_scheduler = stop_scheduler
+    if _engine_core_patched is None:
+        engine_core = _vllm_compat.engine_core_class()
+        if engine_core is not None:
+            wrap_function_wrapper(engine_core, "shutdown", _engine_shutdown_wrapper)
+            _engine_core_patched = engine_core
     if _patched is not None:
         return
     cls = _vllm_compat.process_manager_class()
@@ -132,10 +169,12 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    global _patched
+    global _patched, _engine_core_patched
     from opentelemetry.instrumentation.utils import unwrap
 
-    if _patched is not None:
-        unwrap(_patched, "__init__")
-        unwrap(_patched, "shutdown")
-        _patched = None
+    for cls, methods in ((_patched, ("__init__", "shutdown")),
+                         (_engine_core_patched, ("shutdown",))):
+        if cls is not None:
+            for method in methods:
+                unwrap(cls, method)
+    _patched = _engine_core_patched = None
