@@ -441,9 +441,9 @@ spill_row_detail(Scanner *self, Py_ssize_t i)
 /* Whether row i's owner keeps detail (want[i]), decided once per row: when
  * the request takes the row, normally the step that first schedules it,
  * while vLLM has just touched the request and its trace headers (read
- * later, at its first verified draft, they are cold: about 1 µs more per
- * request at batch 1024). Left undecided (-1) for a request no longer in
- * the table; decided again at its first verified draft then. */
+ * later, at its first verified draft, they are cold; docs/performance.md
+ * (e) measures both). Left undecided (-1) for a request no longer in the
+ * table; decided again at its first verified draft then. */
 static int
 decide_row(Scanner *self, Py_ssize_t i, PyObject *req_id)
 {

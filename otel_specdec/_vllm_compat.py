@@ -23,6 +23,7 @@ import functools
 import inspect
 import logging
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -35,10 +36,10 @@ from otel_specdec._instruments import (
 
 __all__ = [
     "CURRENT_RULES",
+    "ENGINE_CORE_CLASS",
     "FINISHED_IDS_ATTR",
     "HOST_FIELDS",
     "OPTIONAL_METHODS",
-    "ENGINE_CORE_CLASS",
     "PROCESS_MANAGER_CLASS",
     "PROCESS_MANAGER_FINALIZER_ATTR",
     "REQUIRED_METHODS",
@@ -468,8 +469,8 @@ def finished_request_ids(obj: Any) -> Any:
     return getattr(obj, FINISHED_IDS_ATTR, None)
 
 
-# The front end's manager of engine-core processes (API server, LLM): it
-# stops them with SIGTERM and SIGKILLs those still alive after a timeout.
+# The engine core (in its own process, or in the front end's): its
+# ``shutdown`` tears down the executor, then the scheduler.
 ENGINE_CORE_CLASS = "vllm.v1.engine.core.EngineCore"
 
 
@@ -482,6 +483,8 @@ def engine_core_class() -> type | None:
     return cls if has_method(cls, "shutdown") else None
 
 
+# The front end's manager of engine-core processes (API server, LLM): it
+# stops them with SIGTERM and SIGKILLs those still alive after a timeout.
 PROCESS_MANAGER_MODULE = "vllm.v1.engine.utils"
 PROCESS_MANAGER_CLASS = "CoreEngineProcManager"
 
@@ -496,10 +499,9 @@ def process_manager_class() -> type | None:
         return None
     try:
         init_params = inspect.signature(cls.__init__).parameters
-        shutdown_params = inspect.signature(cls.shutdown).parameters
     except (TypeError, ValueError):
         return None
-    if "vllm_config" not in init_params or "timeout" not in shutdown_params:
+    if "vllm_config" not in init_params or not takes_timeout(cls.shutdown):
         return None
     return cls
 
@@ -512,8 +514,6 @@ PROCESS_MANAGER_FINALIZER_ATTR = "_finalizer"
 
 def process_manager_finalizer(manager: Any) -> Any:
     """The manager's live ``weakref.finalize``, or None."""
-    import weakref
-
     finalizer = getattr(manager, "__dict__", {}).get(PROCESS_MANAGER_FINALIZER_ATTR)
     if isinstance(finalizer, weakref.finalize) and finalizer.alive:
         return finalizer
