@@ -102,6 +102,12 @@ typedef struct {
     long long *first_ns;    /* per row: time of the owner's first verified draft there (0: none) */
     signed char *want;      /* per row: keep the owner's detail: -1 not decided yet */
     PyObject **det_req;     /* per row: the owner's Request where detail is kept */
+    /* Rows whose new owner's decision waits for the end of the pass
+     * (decide_pending), with room for the chain each one reads. */
+    Py_ssize_t *pending;
+    PyObject **pending_req; /* borrowed from the scheduler's table, for the pass */
+    PyObject **pending_link; /* owned: the current link of each chain */
+    Py_ssize_t n_pending;
     PyObject *det_spilled;  /* dict: req_id -> [request, first_ns, acc list, drf list] */
     PyObject *handover;     /* list: finished requests' detail, taken by the span worker */
     Py_ssize_t handover_limit;
@@ -292,17 +298,19 @@ parse_traceparent(const char *s, Py_ssize_t n, int *sampled)
     return 1;
 }
 
-/* 1 if the request's detail is kept (the sampling plan, by its trace
- * context), 0 if not, -1 on error. */
-static int
-keeps_detail(Scanner *self, PyObject *request)
+static inline int
+keeps_all(const Scanner *self)
 {
-    const int *keep = self->keep;
-    if (keep[PLAN_ROOT] && keep[PLAN_SAMPLED_PARENT] && keep[PLAN_UNSAMPLED_PARENT])
-        return 1;
-    PyObject *headers = field(request, str_trace_headers), *value = NULL;
-    if (headers == NULL)
-        return PyErr_Occurred() ? -1 : keep[PLAN_ROOT];
+    return self->keep[PLAN_ROOT] && self->keep[PLAN_SAMPLED_PARENT] &&
+           self->keep[PLAN_UNSAMPLED_PARENT];
+}
+
+/* headers["traceparent"] (a new reference), or NULL without an error
+ * where there is none (headers None or without it). */
+static PyObject *
+traceparent_of(PyObject *headers)
+{
+    PyObject *value = NULL;
     if (PyDict_Check(headers)) {
         value = Py_XNewRef(PyDict_GetItemWithError(headers, str_traceparent));
     } else if (headers != Py_None) {
@@ -311,7 +319,15 @@ keeps_detail(Scanner *self, PyObject *request)
                               PyErr_ExceptionMatches(PyExc_TypeError)))
             PyErr_Clear();
     }
-    Py_DECREF(headers);
+    return value;
+}
+
+/* The sampling plan for a request whose traceparent header is value (a
+ * reference it consumes; NULL: none): 1 keep, 0 not, -1 error. */
+static int
+keeps_for_traceparent(Scanner *self, PyObject *value)
+{
+    const int *keep = self->keep;
     if (value == NULL)
         return PyErr_Occurred() ? -1 : keep[PLAN_ROOT];
     if ((PyList_Check(value) || PyTuple_Check(value)) && PySequence_Size(value) > 0) {
@@ -334,6 +350,21 @@ keeps_detail(Scanner *self, PyObject *request)
     if (!valid)
         return keep[PLAN_ROOT];
     return keep[sampled ? PLAN_SAMPLED_PARENT : PLAN_UNSAMPLED_PARENT];
+}
+
+/* 1 if the request's detail is kept (the sampling plan, by its trace
+ * context), 0 if not, -1 on error. */
+static int
+keeps_detail(Scanner *self, PyObject *request)
+{
+    if (keeps_all(self))
+        return 1;
+    PyObject *headers = field(request, str_trace_headers);
+    if (headers == NULL)
+        return PyErr_Occurred() ? -1 : self->keep[PLAN_ROOT];
+    PyObject *value = traceparent_of(headers);
+    Py_DECREF(headers);
+    return keeps_for_traceparent(self, value);
 }
 
 /* list[v] += count, growing the list with zeros. */
@@ -403,10 +434,12 @@ add_spilled_detail(Scanner *self, PyObject *req_id, PyObject *request, Py_ssize_
 static void
 reset_row_detail(Scanner *self, Py_ssize_t i)
 {
-    memset(row_detail(self, i), 0, 2 * self->dsize * sizeof(long long));
-    self->first_ns[i] = 0;
+    if (self->want[i] > 0) { /* only a kept owner's row holds anything */
+        memset(row_detail(self, i), 0, 2 * self->dsize * sizeof(long long));
+        self->first_ns[i] = 0;
+        Py_CLEAR(self->det_req[i]);
+    }
     self->want[i] = -1;
-    Py_CLEAR(self->det_req[i]);
 }
 
 /* The row's owner leaves it: its detail moves to det_spilled, or, for a
@@ -438,35 +471,149 @@ spill_row_detail(Scanner *self, Py_ssize_t i)
     return 0;
 }
 
-/* Whether row i's owner keeps detail (want[i]), decided once per row: when
- * the request takes the row, normally the step that first schedules it,
- * while vLLM has just touched the request and its trace headers (read
- * later, at its first verified draft, they are cold; docs/performance.md
- * (e) measures both). Left undecided (-1) for a request no longer in the
- * table; decided again at its first verified draft then. */
+/* Row i's owner was decided in an earlier row (it moved): that decision
+ * (None in det_spilled) or detail (an entry: kept) applies. 1 if so, 0 if
+ * not known, -1 on error. */
+static int
+decided_before(Scanner *self, Py_ssize_t i, PyObject *req_id)
+{
+    PyObject *known = PyDict_GET_SIZE(self->det_spilled)
+                          ? PyDict_GetItemWithError(self->det_spilled, req_id) : NULL;
+    if (known == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    self->want[i] = known != Py_None;
+    if (known != Py_None)
+        self->det_req[i] = Py_NewRef(PyList_GET_ITEM(known, 0));
+    return 1;
+}
+
+/* Whether row i's owner keeps detail (want[i]), decided now: the fallback
+ * for an owner still undecided at its first verified draft. Left undecided
+ * (-1) for a request no longer in the table. */
 static int
 decide_row(Scanner *self, Py_ssize_t i, PyObject *req_id)
 {
-    /* Decided in an earlier row (it moved): the decision or detail there. */
-    PyObject *known = PyDict_GET_SIZE(self->det_spilled)
-                          ? PyDict_GetItemWithError(self->det_spilled, req_id) : NULL;
-    if (known == NULL && PyErr_Occurred())
-        return -1;
-    if (known == Py_None) {
-        self->want[i] = 0;
-        return 0;
-    }
-    PyObject *request = known != NULL ? PyList_GET_ITEM(known, 0)
-                                      : PyDict_GetItemWithError(self->requests, req_id);
+    int known = decided_before(self, i, req_id);
+    if (known != 0)
+        return known < 0 ? -1 : 0;
+    PyObject *request = PyDict_GetItemWithError(self->requests, req_id);
     if (request == NULL)
         return PyErr_Occurred() ? -1 : 0;
-    int keep = known != NULL ? 1 : keeps_detail(self, request);
+    int keep = keeps_detail(self, request);
     if (keep < 0)
         return -1;
     self->want[i] = (signed char)keep;
     if (keep)
         self->det_req[i] = Py_NewRef(request);
     return 0;
+}
+
+/* Row i has a new owner (req_id): its decision, where known, else queued
+ * for decide_pending at the end of the pass. That is normally the step
+ * that first schedules the request, while vLLM has just touched it (read
+ * later, at its first verified draft, its trace context is colder;
+ * docs/performance.md (e) measures both). */
+static int
+claim_row(Scanner *self, Py_ssize_t i, PyObject *req_id)
+{
+    int known = decided_before(self, i, req_id);
+    if (known != 0)
+        return known < 0 ? -1 : 0;
+    if (self->n_pending >= self->cap)
+        return decide_row(self, i, req_id);
+    self->pending[self->n_pending++] = i;
+    return 0;
+}
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(addr) __builtin_prefetch(addr)
+#else
+#define PREFETCH(addr) ((void)(addr))
+#endif
+
+/* The first two cache lines of an object (a hint: it never faults). */
+static inline void
+prefetch_object(const void *obj)
+{
+    PREFETCH(obj);
+    PREFETCH((const char *)obj + 64);
+}
+
+/* The queued rows' decisions, together. Each request's trace context is
+ * a chain of objects, cold by now (the request, its attributes, the
+ * headers dict, its key table, the traceparent string): read one request
+ * after another, the CPU waits for every link in turn. Taken a link at a
+ * time across all the queued requests, with the next link prefetched,
+ * the waits overlap (docs/performance.md (e)). Same answers as
+ * keeps_detail. */
+static int
+decide_pending(Scanner *self)
+{
+    Py_ssize_t n = self->n_pending, m = 0, j;
+    Py_ssize_t *rows = self->pending;
+    PyObject **req = self->pending_req, **link = self->pending_link;
+    self->n_pending = 0;
+    for (j = 0; j < n; j++) { /* the requests, from the scheduler's table */
+        Py_ssize_t i = rows[j];
+        if (self->want[i] >= 0) /* decided since, at a verified draft */
+            continue;
+        PyObject *request = PyDict_GetItemWithError(self->requests,
+                                                    PyList_GET_ITEM(self->owners, i));
+        if (request == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            continue; /* left undecided */
+        }
+        prefetch_object(request);
+        rows[m] = i;
+        req[m] = request;
+        link[m++] = NULL;
+    }
+    if (m == 0)
+        return 0;
+    if (keeps_all(self)) {
+        for (j = 0; j < m; j++) {
+            self->want[rows[j]] = 1;
+            self->det_req[rows[j]] = Py_NewRef(req[j]);
+        }
+        return 0;
+    }
+    for (j = 0; j < m; j++) { /* their trace headers */
+        if ((link[j] = field(req[j], str_trace_headers)) == NULL && PyErr_Occurred())
+            goto fail;
+        if (link[j] != NULL)
+            prefetch_object(link[j]);
+    }
+#ifndef Py_LIMITED_API
+    for (j = 0; j < m; j++) /* the headers' key tables */
+        if (link[j] != NULL && PyDict_CheckExact(link[j]))
+            prefetch_object(((PyDictObject *)link[j])->ma_keys);
+#endif
+    for (j = 0; j < m; j++) { /* the traceparent values */
+        if (link[j] == NULL)
+            continue;
+        PyObject *value = traceparent_of(link[j]);
+        Py_SETREF(link[j], value);
+        if (value == NULL && PyErr_Occurred())
+            goto fail;
+        if (value != NULL)
+            prefetch_object(value);
+    }
+    for (j = 0; j < m; j++) { /* the decisions */
+        PyObject *value = link[j];
+        link[j] = NULL;
+        int keep = keeps_for_traceparent(self, value);
+        if (keep < 0)
+            goto fail;
+        self->want[rows[j]] = (signed char)keep;
+        if (keep)
+            self->det_req[rows[j]] = Py_NewRef(req[j]);
+    }
+    return 0;
+fail:
+    for (j = 0; j < m; j++)
+        Py_CLEAR(link[j]);
+    return -1;
 }
 
 /* A verified draft's detail, in its row. */
@@ -629,7 +776,7 @@ reassign(Scanner *self, Py_ssize_t i, PyObject *new_owner)
     Py_INCREF(new_owner);
     PyList_SetItem(self->owners, i, new_owner); /* drops the old owner */
     if (self->detail && new_owner != Py_None)
-        return decide_row(self, i, new_owner);
+        return claim_row(self, i, new_owner);
     return 0;
 }
 
@@ -654,9 +801,23 @@ grow_detail(Scanner *self, Py_ssize_t cap)
     if (req == NULL)
         return -1;
     self->det_req = req;
+    Py_ssize_t *pending = PyMem_Realloc(self->pending, cap * sizeof(Py_ssize_t));
+    if (pending == NULL)
+        return -1;
+    self->pending = pending;
+    PyObject **pending_req = PyMem_Realloc(self->pending_req, cap * sizeof(PyObject *));
+    if (pending_req == NULL)
+        return -1;
+    self->pending_req = pending_req;
+    PyObject **pending_link = PyMem_Realloc(self->pending_link, cap * sizeof(PyObject *));
+    if (pending_link == NULL)
+        return -1;
+    self->pending_link = pending_link;
     for (Py_ssize_t i = self->cap; i < cap; i++) {
+        memset(row_detail(self, i), 0, width * sizeof(long long));
+        first[i] = 0;
+        want[i] = -1;
         req[i] = NULL;
-        reset_row_detail(self, i);
     }
     return 0;
 }
@@ -1311,9 +1472,13 @@ Scanner_step(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
     if (tick(self) < 0)
         goto done;
     self->native_steps++;
-    if (self->detail)
+    if (self->detail) {
         self->step_ns = now_ns();
+        self->n_pending = 0;
+    }
     if (scan_rows(self, &in, freed, &p) < 0)
+        goto done;
+    if (self->detail && decide_pending(self) < 0)
         goto done;
     if (add_counts(self->acc_hist, p.acc_hist, p.acc_top) < 0 ||
         add_counts(self->drf_hist, p.drf_hist, p.drf_top) < 0 ||
@@ -1725,6 +1890,9 @@ Scanner_dealloc(Scanner *self)
     PyMem_Free(self->first_ns);
     PyMem_Free(self->want);
     PyMem_Free(self->det_req);
+    PyMem_Free(self->pending);
+    PyMem_Free(self->pending_req);
+    PyMem_Free(self->pending_link);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 

@@ -357,6 +357,35 @@ def test_the_c_pass_reads_trace_context_as_the_sdk_does(plan):
     assert scanner.keeps_detail(SimpleNamespace()) == plan.root  # no trace_headers field
 
 
+TOGETHER_SAMPLERS = [ParentBased(ALWAYS_ON), ParentBased(ALWAYS_OFF),
+                     ParentBased(ALWAYS_OFF, remote_parent_not_sampled=ALWAYS_ON), ALWAYS_ON]
+
+
+@pytest.mark.parametrize("span_path", ["native"], indirect=True)
+@pytest.mark.parametrize("traced", TOGETHER_SAMPLERS, indirect=True)
+def test_requests_scheduled_together_are_decided_as_the_sdk_decides(tiny_model, traced,
+                                                                   request):
+    """The C pass decides the requests that one step schedules in one walk
+    over them (each link of their trace context prefetched for the next):
+    for every kind of trace context, a non-dict mapping among them, the
+    answer of the reference (``SamplingPlan.keeps``), and the spans follow."""
+    cases: list[Any] = [*HEADER_CASES,
+                        CountingHeaders({"traceparent": f"00-{trace_id(4)}-{PARENT_SPAN}-01"}),
+                        CountingHeaders({"traceparent": f"00-{trace_id(5)}-{PARENT_SPAN}-00"})]
+    plan = plan_for(request.node.callspec.params["traced"])
+    harness = SchedulerHarness(build_scheduler(tiny_model, K, per_request_metrics=True))
+    ids = harness.add_requests(len(cases), max_tokens=6, trace_headers=lambda i: cases[i])
+    harness.step(accept_varied, drafts_of_three)  # the prefill: every request decided
+    scanner = harness.scheduler.__dict__["_otel_specdec_accountant"][1]._scanner
+    expected = {req_id for req_id, headers in zip(ids, cases, strict=True)
+                if plan.keeps(headers)}
+    assert 0 < len(expected) <= len(cases)
+    assert set(scanner.detail_owners) == expected
+    while harness.scheduler.requests:
+        harness.step(accept_varied, drafts_of_three)
+    assert len(traced.finished_spans()) == len(expected)
+
+
 def test_the_c_pass_takes_the_plan_by_name():
     """The plan's kinds are passed by name: one missing or one too many is refused."""
     def build(plan: dict) -> Any:
