@@ -471,6 +471,15 @@ spill_row_detail(Scanner *self, Py_ssize_t i)
     return 0;
 }
 
+/* Row i's owner's decision: keep its detail (1, request its Request) or not. */
+static inline void
+set_want(Scanner *self, Py_ssize_t i, int keep, PyObject *request)
+{
+    self->want[i] = (signed char)keep;
+    if (keep)
+        self->det_req[i] = Py_NewRef(request);
+}
+
 /* Row i's owner was decided in an earlier row (it moved): that decision
  * (None in det_spilled) or detail (an entry: kept) applies. 1 if so, 0 if
  * not known, -1 on error. */
@@ -481,9 +490,7 @@ decided_before(Scanner *self, Py_ssize_t i, PyObject *req_id)
                           ? PyDict_GetItemWithError(self->det_spilled, req_id) : NULL;
     if (known == NULL)
         return PyErr_Occurred() ? -1 : 0;
-    self->want[i] = known != Py_None;
-    if (known != Py_None)
-        self->det_req[i] = Py_NewRef(PyList_GET_ITEM(known, 0));
+    set_want(self, i, known != Py_None, known != Py_None ? PyList_GET_ITEM(known, 0) : NULL);
     return 1;
 }
 
@@ -500,12 +507,9 @@ decide_row(Scanner *self, Py_ssize_t i, PyObject *req_id)
     if (request == NULL)
         return PyErr_Occurred() ? -1 : 0;
     int keep = keeps_detail(self, request);
-    if (keep < 0)
-        return -1;
-    self->want[i] = (signed char)keep;
-    if (keep)
-        self->det_req[i] = Py_NewRef(request);
-    return 0;
+    if (keep >= 0)
+        set_want(self, i, keep, request);
+    return keep < 0 ? -1 : 0;
 }
 
 /* Row i has a new owner (req_id): its decision, where known, else queued
@@ -572,10 +576,8 @@ decide_pending(Scanner *self)
     if (m == 0)
         return 0;
     if (keeps_all(self)) {
-        for (j = 0; j < m; j++) {
-            self->want[rows[j]] = 1;
-            self->det_req[rows[j]] = Py_NewRef(req[j]);
-        }
+        for (j = 0; j < m; j++)
+            set_want(self, rows[j], 1, req[j]);
         return 0;
     }
     for (j = 0; j < m; j++) { /* their trace headers */
@@ -605,9 +607,7 @@ decide_pending(Scanner *self)
         int keep = keeps_for_traceparent(self, value);
         if (keep < 0)
             goto fail;
-        self->want[rows[j]] = (signed char)keep;
-        if (keep)
-            self->det_req[rows[j]] = Py_NewRef(req[j]);
+        set_want(self, rows[j], keep, req[j]);
     }
     return 0;
 fail:
