@@ -780,44 +780,41 @@ reassign(Scanner *self, Py_ssize_t i, PyObject *new_owner)
     return 0;
 }
 
+/* array resized to n items of item bytes; where that fails, array as it
+ * was and *failed set. */
+static void *
+resized(void *array, Py_ssize_t n, size_t item, int *failed)
+{
+    void *larger = PyMem_Realloc(array, (size_t)n * item);
+    if (larger == NULL) {
+        *failed = 1;
+        return array;
+    }
+    return larger;
+}
+
+#define RESIZE(array, n, failed) ((array) = resized((array), (n), sizeof(*(array)), &(failed)))
+
 /* Room for cap rows of detail (rows from self->cap on start empty). */
 static int
 grow_detail(Scanner *self, Py_ssize_t cap)
 {
     Py_ssize_t width = 2 * self->dsize;
-    long long *det = PyMem_Realloc(self->det, cap * width * sizeof(long long));
-    if (det == NULL)
+    int failed = 0;
+    RESIZE(self->det, cap * width, failed);
+    RESIZE(self->first_ns, cap, failed);
+    RESIZE(self->want, cap, failed);
+    RESIZE(self->det_req, cap, failed);
+    RESIZE(self->pending, cap, failed);
+    RESIZE(self->pending_req, cap, failed);
+    RESIZE(self->pending_link, cap, failed);
+    if (failed)
         return -1;
-    self->det = det;
-    long long *first = PyMem_Realloc(self->first_ns, cap * sizeof(long long));
-    if (first == NULL)
-        return -1;
-    self->first_ns = first;
-    signed char *want = PyMem_Realloc(self->want, cap);
-    if (want == NULL)
-        return -1;
-    self->want = want;
-    PyObject **req = PyMem_Realloc(self->det_req, cap * sizeof(PyObject *));
-    if (req == NULL)
-        return -1;
-    self->det_req = req;
-    Py_ssize_t *pending = PyMem_Realloc(self->pending, cap * sizeof(Py_ssize_t));
-    if (pending == NULL)
-        return -1;
-    self->pending = pending;
-    PyObject **pending_req = PyMem_Realloc(self->pending_req, cap * sizeof(PyObject *));
-    if (pending_req == NULL)
-        return -1;
-    self->pending_req = pending_req;
-    PyObject **pending_link = PyMem_Realloc(self->pending_link, cap * sizeof(PyObject *));
-    if (pending_link == NULL)
-        return -1;
-    self->pending_link = pending_link;
     for (Py_ssize_t i = self->cap; i < cap; i++) {
         memset(row_detail(self, i), 0, width * sizeof(long long));
-        first[i] = 0;
-        want[i] = -1;
-        req[i] = NULL;
+        self->first_ns[i] = 0;
+        self->want[i] = -1;
+        self->det_req[i] = NULL;
     }
     return 0;
 }
@@ -829,23 +826,12 @@ fit(Scanner *self, Py_ssize_t n)
     Py_ssize_t m = PyList_GET_SIZE(self->owners);
     if (n > self->cap) {
         Py_ssize_t cap = n > 2 * self->cap ? n : 2 * self->cap;
-        long long *acc = PyMem_Realloc(self->acc, cap * sizeof(long long));
-        if (acc == NULL)
-            goto nomem;
-        self->acc = acc;
-        long long *drf = PyMem_Realloc(self->drf, cap * sizeof(long long));
-        if (drf == NULL)
-            goto nomem;
-        self->drf = drf;
-        unsigned char *out = PyMem_Realloc(self->had_output, cap);
-        if (out == NULL)
-            goto nomem;
-        self->had_output = out;
-        Py_hash_t *hashes = PyMem_Realloc(self->hashes, cap * sizeof(Py_hash_t));
-        if (hashes == NULL)
-            goto nomem;
-        self->hashes = hashes;
-        if (self->detail && grow_detail(self, cap) < 0)
+        int failed = 0;
+        RESIZE(self->acc, cap, failed);
+        RESIZE(self->drf, cap, failed);
+        RESIZE(self->had_output, cap, failed);
+        RESIZE(self->hashes, cap, failed);
+        if (failed || (self->detail && grow_detail(self, cap) < 0))
             goto nomem;
         self->cap = cap;
     }
