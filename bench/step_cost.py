@@ -19,7 +19,11 @@ the per-step differences (the same step of both streams); each configuration
 runs ``--rounds`` times on fresh schedulers (which of the two is built first
 alternates by round) and the medians across rounds are printed, with each
 round's mean added %. ``--control`` runs both schedulers without the plugin: its
-"added" is the measurement's own noise floor.
+"added" is the measurement's own noise floor. ``--versus-spans-off`` (with
+``--tracing``) runs the plugin on both: the other scheduler's accountant is
+built as with request spans off, so "added" is what spans add over the
+plugin without them, paired step by step (issue 17, item 2), rather than
+the difference of two runs' noisy "added".
 
 ``--own-time`` also times the plugin's own calls inside the hook (its C
 step and its release after the update, through thin timing wrappers that
@@ -40,6 +44,7 @@ beside each round and subtracts its mean, the measurement's own bias.
                                         [--rounds 5] [--tracing] [--control] [--net]
                                         [--pure-python] [--exact-only] [--own-time]
                                         [--parents none|sampled|unsampled]
+                                        [--versus-spans-off]
 
 ``--tracing`` turns request spans on (``OTEL_SPECDEC_TRACES=true``, spans
 built on the plugin's worker thread and handed to an exporter that drops
@@ -157,6 +162,23 @@ class _Stream:
         self.step_no += 1
 
 
+def _without_spans(scheduler: Any) -> None:
+    """Benchmark only: give ``scheduler`` the accountant the plugin builds
+    with request spans off, in this process where they are on."""
+    from otel_specdec import _runtime, _vllm_compat
+    from otel_specdec._patch import _ACCOUNTANT_ATTR
+
+    runtime = _runtime.current()
+    assert runtime is not None and runtime.spans is not None, "request spans are off"
+    spans, runtime.spans = runtime.spans, None
+    try:
+        accountant = runtime.accountant_for(scheduler, _vllm_compat.engine_info(scheduler))
+    finally:
+        runtime.spans = spans
+    generation = scheduler.__dict__[_ACCOUNTANT_ATTR][0]
+    scheduler.__dict__[_ACCOUNTANT_ATTR] = (generation, accountant)
+
+
 def _time_own_calls(scheduler: Any, own_t: list[float]) -> None:
     """Time the plugin's own calls in the hook: its C step and its release."""
     from otel_specdec._patch import _ACCOUNTANT_ATTR
@@ -217,8 +239,9 @@ class _SpanWorkerClock:
 
 def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = False,
             plugin_first: bool = True, own_time: bool = False,
-            parents: str = "none") -> dict[str, float]:
-    """Two schedulers fed identical streams: one with the plugin, one without.
+            parents: str = "none", versus_spans_off: bool = False) -> dict[str, float]:
+    """Two schedulers fed identical streams: one with the plugin, one without
+    (``versus_spans_off``: one with the plugin as with request spans off).
 
     Each step both run the same step of their own stream; which one runs
     first alternates (ABBA), so both see the same machine noise. The plain
@@ -232,10 +255,18 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
                      _Stream(model_dir, batch, k, seed, parents))
     with_plugin, plain = (first, second) if plugin_first else (second, first)
     own_t: list[float] = []
+    base_own_t: list[float] = []
+    if versus_spans_off:
+        _without_spans(plain.scheduler)
     if own_time and not control:
         _time_own_calls(with_plugin.scheduler, own_t)
+        if versus_spans_off:
+            _time_own_calls(plain.scheduler, base_own_t)
     cls = type(plain.scheduler)
     original_update = cls.update_from_output.__wrapped__
+    if versus_spans_off:  # the baseline runs the hook too, called as the plugin's side is
+        def original_update(scheduler: Any, so: Any, mro: Any) -> Any:
+            return scheduler.update_from_output(so, mro)
     prom = _prometheus_side(plain.scheduler)
     own_prom = _prometheus_side(with_plugin.scheduler)
     wrapped_t: list[float] = []
@@ -246,8 +277,8 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
 
     # control: both streams unwrapped, to show the measurement's noise floor.
     update = (
-        functools.partial(original_update, with_plugin.scheduler) if control
-        else with_plugin.scheduler.update_from_output
+        functools.partial(original_update, with_plugin.scheduler)
+        if control or versus_spans_off else with_plugin.scheduler.update_from_output
     )
 
     def run_with_plugin(so: Any, mro: Any) -> None:
@@ -307,6 +338,12 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
         # CPU time of the span worker thread per timed step (spans on).
         "worker": worker_s / steps,
         "own": statistics.median(own_t[3:]) if own_t[3:] else float("nan"),
+        # The other side's own time (``versus_spans_off``), and the median of
+        # the per-step differences.
+        "base_own": statistics.median(base_own_t[3:]) if base_own_t[3:] else float("nan"),
+        "own_added": (statistics.median(a - b for a, b in zip(own_t[3:], base_own_t[3:],
+                                                              strict=True))
+                      if base_own_t[3:] else float("nan")),
     }
 
 
@@ -346,7 +383,12 @@ def main() -> None:
                         help="requests arrive with a client's traceparent, sampled or not")
     parser.add_argument("--own-time", action="store_true",
                         help="also time the plugin's own calls inside the hook")
+    parser.add_argument("--versus-spans-off", action="store_true",
+                        help="with --tracing: the other scheduler runs the plugin as with "
+                             "request spans off (what spans add)")
     args = parser.parse_args()
+    if args.versus_spans_off and (not args.tracing or args.control):
+        parser.error("--versus-spans-off needs --tracing (and no --control)")
 
     import logging
 
@@ -371,8 +413,10 @@ def main() -> None:
     sampler = os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on")
     print(f"request spans: {f'on ({sampler})' if args.tracing else 'off'}; "
           f"parents: {args.parents}; accounting: {accounting}"
-          f"{'; CONTROL: no plugin on either side' if args.control else ''}")
-    print(f"{'batch':>6} {'k':>3} {'unwrapped µs':>13} {'with plugin µs':>15} "
+          f"{'; CONTROL: no plugin on either side' if args.control else ''}"
+          f"{'; BASELINE: the plugin with spans off' if args.versus_spans_off else ''}")
+    base = "baseline µs" if args.versus_spans_off else "unwrapped µs"
+    print(f"{'batch':>6} {'k':>3} {base:>13} {'with plugin µs':>15} "
           f"{'added µs':>9} {'added %':>8} {'mean %':>7} {'step %':>7}"
           f"{' net %' if args.net else ''} {'vLLM stats µs':>14} {'added/vLLM':>11}  "
           "mean % per round")
@@ -382,7 +426,8 @@ def main() -> None:
             for i in range(args.rounds):
                 rounds.append(measure(model_dir, batch, k, args.steps, args.control,
                                       plugin_first=i % 2 == 0, own_time=args.own_time,
-                                      parents=args.parents))
+                                      parents=args.parents,
+                                      versus_spans_off=args.versus_spans_off))
                 if args.net:  # the noise floor, round by round beside the plugin's
                     controls.append(measure(model_dir, batch, k, args.steps, True,
                                             plugin_first=i % 2 == 1, parents=args.parents))
@@ -409,6 +454,9 @@ def _row(batch: int, k: int, rounds: list[dict[str, float]], controls: list[dict
              + " ".join(f"{p:.1f}" for p in mean_pct))
     if own_time:
         line += f"  | own {r['own'] * 1e6:.1f} µs = {100 * r['own'] / r['plain']:.1f}%"
+        if r["base_own"] == r["base_own"]:  # versus spans off
+            line += (f" (spans off {r['base_own'] * 1e6:.1f} µs; paired difference "
+                     f"{r['own_added'] * 1e6:+.1f} µs)")
     if r["worker"]:
         line += (f"  | span worker {r['worker'] * 1e6:.1f} µs/step = "
                  f"{100 * r['worker'] / r['plain_mean']:.1f}% (CPU, its own thread)")

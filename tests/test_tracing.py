@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -439,3 +440,44 @@ def test_a_stuck_span_worker_drops_spans_once_and_the_metrics_stay_exact(
                .totals.accepted_hist) == harness.vllm.drafts
     monkeypatch.setattr(DetailHandover, "take", taken)
     assert len(traced.finished_spans()) == 3
+
+
+@pytest.mark.parametrize("span_path", ["native"], indirect=True)
+def test_the_span_worker_polls_less_while_nothing_is_handed_over(
+        tiny_model, monkeypatch, span_path, traced):
+    """While no finished request waits for its span (as with unsampled
+    parents), the worker's wait doubles up to ``IDLE_POLL_S``; once it finds
+    detail it takes the list every ``POLL_S`` again."""
+    monkeypatch.setattr(_tracing, "POLL_S", 0.05)
+    monkeypatch.setattr(_tracing, "IDLE_POLL_S", 1.0)
+    takes: list[tuple[float, int]] = []
+    take = DetailHandover.take
+
+    def recorded(self: DetailHandover) -> list[tuple[Any, ...]]:
+        items = take(self)
+        takes.append((time.monotonic(), len(items)))
+        return items
+
+    monkeypatch.setattr(DetailHandover, "take", recorded)
+    harness = SchedulerHarness(build_scheduler(tiny_model, K, per_request_metrics=True))
+    time.sleep(2.7)  # idle: waits of 0.05, 0.1, 0.2, 0.4, 0.8, 1.0 s
+    idle = [t for t, _ in takes]
+    gaps = [b - a for a, b in itertools.pairwise(idle)]
+    # A fixed 0.05 s poll would take the list about 54 times.
+    assert 2 <= len(idle) <= 7, gaps
+    assert gaps[-1] >= 0.75, gaps  # a wait is never shorter than asked
+    run(harness, 4, steps=12)
+    assert _wait(lambda: any(n for _, n in takes), 5), takes
+    found = next(i for i, (_, n) in enumerate(takes) if n)
+    assert _wait(lambda: len(takes) > found + 1, 5), takes
+    assert takes[found + 1][0] - takes[found][0] < 0.75, takes[found:]
+    assert len(traced.finished_spans()) == 4
+
+
+def _wait(condition: Any, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
