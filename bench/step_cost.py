@@ -23,7 +23,8 @@ round's mean added %. ``--control`` runs both schedulers without the plugin: its
 ``--tracing``) runs the plugin on both: the other scheduler's accountant is
 built as with request spans off, so "added" is what spans add over the
 plugin without them, paired step by step (issue 17, item 2), rather than
-the difference of two runs' noisy "added".
+the difference of two runs' noisy "added"; with ``--control`` both run
+it with spans off (the noise floor of that pairing).
 
 ``--own-time`` also times the plugin's own calls inside the hook (its C
 step and its release after the update, through thin timing wrappers that
@@ -258,6 +259,8 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
     base_own_t: list[float] = []
     if versus_spans_off:
         _without_spans(plain.scheduler)
+        if control:  # both with spans off: the paired measurement's noise floor
+            _without_spans(with_plugin.scheduler)
     if own_time and not control:
         _time_own_calls(with_plugin.scheduler, own_t)
         if versus_spans_off:
@@ -387,8 +390,8 @@ def main() -> None:
                         help="with --tracing: the other scheduler runs the plugin as with "
                              "request spans off (what spans add)")
     args = parser.parse_args()
-    if args.versus_spans_off and (not args.tracing or args.control):
-        parser.error("--versus-spans-off needs --tracing (and no --control)")
+    if args.versus_spans_off and not args.tracing:
+        parser.error("--versus-spans-off needs --tracing")
 
     import logging
 
@@ -413,7 +416,7 @@ def main() -> None:
     sampler = os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on")
     print(f"request spans: {f'on ({sampler})' if args.tracing else 'off'}; "
           f"parents: {args.parents}; accounting: {accounting}"
-          f"{'; CONTROL: no plugin on either side' if args.control else ''}"
+          f"{_control_note(args)}"
           f"{'; BASELINE: the plugin with spans off' if args.versus_spans_off else ''}")
     base = "baseline µs" if args.versus_spans_off else "unwrapped µs"
     print(f"{'batch':>6} {'k':>3} {base:>13} {'with plugin µs':>15} "
@@ -432,6 +435,14 @@ def main() -> None:
                     controls.append(measure(model_dir, batch, k, args.steps, True,
                                             plugin_first=i % 2 == 1, parents=args.parents))
             print(_row(batch, k, rounds, controls, args.own_time), flush=True)
+
+
+def _control_note(args: argparse.Namespace) -> str:
+    if not args.control:
+        return ""
+    if args.versus_spans_off:
+        return "; CONTROL: the plugin with spans off on both sides"
+    return "; CONTROL: no plugin on either side"
 
 
 def _row(batch: int, k: int, rounds: list[dict[str, float]], controls: list[dict[str, float]],
