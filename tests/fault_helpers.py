@@ -20,6 +20,8 @@ from typing import Any
 
 from engine_child import ENTRY, PHASE_PREFIX, RESULT_PREFIX
 
+from otel_specdec.demo.engine_run import KV_CACHE_BYTES
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -164,6 +166,7 @@ class ApiServer:
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
              "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "512",
              "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.15",
+             "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
              "--speculative-config", json.dumps(speculative_config), *extra_args],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
