@@ -278,7 +278,8 @@ def measure(model_dir: str, batch: int, k: int, steps: int, control: bool = Fals
     # Each timed step's schedule, (with plugin, plain).
     schedule_t: list[tuple[float, float]] = []
 
-    # control: both streams unwrapped, to show the measurement's noise floor.
+    # control: both streams unwrapped (versus_spans_off: both with spans off),
+    # to show the measurement's own noise floor.
     update = (
         functools.partial(original_update, with_plugin.scheduler)
         if control or versus_spans_off else with_plugin.scheduler.update_from_output
@@ -433,7 +434,8 @@ def main() -> None:
                                       versus_spans_off=args.versus_spans_off))
                 if args.net:  # the noise floor, round by round beside the plugin's
                     controls.append(measure(model_dir, batch, k, args.steps, True,
-                                            plugin_first=i % 2 == 1, parents=args.parents))
+                                            plugin_first=i % 2 == 1, parents=args.parents,
+                                            versus_spans_off=args.versus_spans_off))
             print(_row(batch, k, rounds, controls, args.own_time), flush=True)
 
 
