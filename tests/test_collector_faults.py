@@ -177,7 +177,7 @@ def _offline_matrix(model: str, multiprocessing: str, budget_s: float) -> None:
     assert CUT_WARNING not in logs["healthy"]
 
 
-def test_offline_engine_in_own_process_every_fault(tiny_model):
+def test_offline_engine_in_own_process_each_fault(tiny_model):
     """``LLM`` with its engine core in a process of its own, ``del llm``: the
     reported case (10000, hanging collector) over gRPC and HTTP and every
     other fault (``OWN_PROCESS_FAULTS``); a 4 s budget."""
