@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
@@ -451,11 +452,14 @@ def test_the_span_worker_polls_less_while_nothing_is_handed_over(
     monkeypatch.setattr(_tracing, "POLL_S", 0.05)
     monkeypatch.setattr(_tracing, "IDLE_POLL_S", 1.0)
     takes: list[tuple[float, int]] = []
+    took = threading.Condition()
     take = DetailHandover.take
 
     def recorded(self: DetailHandover) -> list[tuple[Any, ...]]:
         items = take(self)
-        takes.append((time.monotonic(), len(items)))
+        with took:
+            takes.append((time.monotonic(), len(items)))
+            took.notify_all()
         return items
 
     monkeypatch.setattr(DetailHandover, "take", recorded)
@@ -467,17 +471,9 @@ def test_the_span_worker_polls_less_while_nothing_is_handed_over(
     assert 2 <= len(idle) <= 7, gaps
     assert gaps[-1] >= 0.75, gaps  # a wait is never shorter than asked
     run(harness, 4, steps=12)
-    assert _wait(lambda: any(n for _, n in takes), 5), takes
-    found = next(i for i, (_, n) in enumerate(takes) if n)
-    assert _wait(lambda: len(takes) > found + 1, 5), takes
+    with took:
+        assert took.wait_for(lambda: any(n for _, n in takes), 5), takes
+        found = next(i for i, (_, n) in enumerate(takes) if n)
+        assert took.wait_for(lambda: len(takes) > found + 1, 5), takes
     assert takes[found + 1][0] - takes[found][0] < 0.75, takes[found:]
     assert len(traced.finished_spans()) == 4
-
-
-def _wait(condition: Any, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
