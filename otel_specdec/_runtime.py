@@ -19,7 +19,7 @@ from typing import Any
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 
-from otel_specdec import _provider, _sdk_compat, _tracing, _vllm_compat
+from otel_specdec import _export_ledger, _provider, _sdk_compat, _tracing, _vllm_compat
 from otel_specdec import environment_variables as env_vars
 from otel_specdec._accounting import StepAccountant
 from otel_specdec._bounded import Deadline, call_within
@@ -123,12 +123,13 @@ class Runtime:
         deadline = Deadline(self.shutdown_budget_s)
         if self.spans is not None:
             self.spans.build_queued(deadline)
-        began = time.monotonic()
+        began = self._export_began("flush")
         done = call_within(
             lambda: self.provider.force_flush(timeout_millis=_millis(deadline)),
             deadline.remaining_s(), "metrics-flush",
         )
         self._check_delivered(done, began, deadline, "flush")
+        _export_ledger.settle()
         if self.spans is not None:
             self.spans.flush(deadline)
 
@@ -147,7 +148,7 @@ class Runtime:
             # Spans built first: the final export's exemplars point at them.
             self.spans.build_queued(deadline)
         if self.owns_provider:
-            began = time.monotonic()
+            began = self._export_began("export")
             done = call_within(
                 lambda: self.provider.shutdown(timeout_millis=_millis(deadline)),
                 deadline.remaining_s(), "metrics-shutdown",
@@ -155,14 +156,23 @@ class Runtime:
             self._check_delivered(done, began, deadline, "export")
         else:
             bind_counters(self.provider, None)
+        _export_ledger.settle()
         self.injector.detach_all()
         # Metrics first: they are the complete record; spans are samples.
         if self.spans is not None:
             self.spans.close(deadline)
 
+    def _export_began(self, what: str) -> float:
+        _logger.debug("otel_specdec: final metrics %s began (%d data points, budget %g s)",
+                      what, self.registry.data_points(), self.shutdown_budget_s)
+        return time.monotonic()
+
     def _check_delivered(self, done: bool, began: float, deadline: Deadline, what: str) -> None:
         """One warning when the final export did not reach the collector."""
         if done and (self.delivery is None or self.delivery.delivered_since(began)):
+            _logger.debug("otel_specdec: final metrics %s ended in %.3f s (%s)", what,
+                          time.monotonic() - began,
+                          "delivered" if self.delivery is not None else "the provider's owner's")
             return
         if not done or deadline.remaining_s() <= 0.05 * deadline.budget_s:
             cause = (f"was cut short by the shutdown budget ({SHUTDOWN_TIMEOUT_ENV}="
@@ -237,6 +247,7 @@ def get_or_create(info: EngineInfo) -> Runtime | None:
                 _logger.info("otel_specdec: %s, metrics are off", _disabled_reason)
                 return None
         _runtime = Runtime(provider, settings, info.data_parallel_rank, delivery)
+        _export_ledger.owe()
         if settings is not None:
             _register_exit_hook()
         return _runtime

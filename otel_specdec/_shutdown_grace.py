@@ -57,7 +57,7 @@ from typing import Any
 
 from wrapt import wrap_function_wrapper
 
-from otel_specdec import _settings, _vllm_compat
+from otel_specdec import _export_ledger, _settings, _vllm_compat
 
 __all__ = ["install", "uninstall"]
 
@@ -86,8 +86,10 @@ def _init_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
     # Set before the host's __init__, whose failure path calls shutdown.
     try:
         instance.__dict__[_GRACE_ATTR] = grace
+        if grace is not None:
+            _export_ledger.open_for_engines()
     except Exception:
-        pass
+        _logger.debug("otel_specdec: shutdown grace not prepared", exc_info=True)
     result = wrapped(*args, **kwargs)
     if grace is not None:
         try:
@@ -114,7 +116,22 @@ def _extend_finalizer(instance: Any, grace: float) -> None:
     obj, func, args, kwargs = detached
     kwargs = {**kwargs, "timeout": _with_grace(kwargs.get("timeout"), grace)}
     instance.__dict__[_vllm_compat.PROCESS_MANAGER_FINALIZER_ATTR] = weakref.finalize(
-        obj, func, *args, **kwargs)
+        obj, _stop_and_report, func, *args, **kwargs)
+
+
+def _stop_and_report(stop: Callable[..., Any], processes: Any, *args: Any, **kwargs: Any) -> Any:
+    """vLLM's ``shutdown(procs, timeout)``, then the engines that still owed an export."""
+    try:
+        return stop(processes, *args, **kwargs)
+    finally:
+        _report(processes, kwargs.get("timeout"))
+
+
+def _report(processes: Any, timeout: Any) -> None:
+    try:
+        _export_ledger.report_unsettled(list(processes or ()), timeout)
+    except Exception:
+        _logger.debug("otel_specdec: unsettled exports not reported", exc_info=True)
 
 
 def _extended_timeout(instance: Any, args: Any, kwargs: Any) -> float | None:
@@ -133,7 +150,10 @@ def _shutdown_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> An
         extended = None
     if extended is None:
         return wrapped(*args, **kwargs)
-    return wrapped(timeout=extended)
+    try:
+        return wrapped(timeout=extended)
+    finally:
+        _report(_vllm_compat.process_manager_processes(instance), extended)
 
 
 def _engine_shutdown_wrapper(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:

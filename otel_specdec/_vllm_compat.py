@@ -61,6 +61,7 @@ __all__ = [
     "is_decoding",
     "process_manager_class",
     "process_manager_finalizer",
+    "process_manager_processes",
     "process_manager_vllm_config",
     "speculates",
     "step_inputs",
@@ -518,6 +519,11 @@ def process_manager_finalizer(manager: Any) -> Any:
     if isinstance(finalizer, weakref.finalize) and finalizer.alive:
         return finalizer
     return None
+
+
+def process_manager_processes(manager: Any) -> list[Any]:
+    """The engine-core processes (``multiprocessing`` processes) a manager started."""
+    return list(getattr(manager, "processes", None) or ())
 
 
 def takes_timeout(func: Any) -> bool:

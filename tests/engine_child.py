@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,11 +31,14 @@ from typing import Any
 from otel_specdec.demo import engine_run
 from otel_specdec.demo.engine_run import DEFAULT_PROMPTS, RESULT_PREFIX, vllm_counters
 
-__all__ = ["PHASE_PREFIX", "RESULT_PREFIX", "ENTRY", "run", "run_in_child"]
+__all__ = ["PHASE_PREFIX", "RESULT_PREFIX", "ENTRY", "run", "run_in_child",
+           "shutdown_evidence", "with_child_site"]
 
 PHASE_PREFIX = "OTEL_SPECDEC_PHASE "
 # What a child process runs: this file.
 ENTRY = (str(Path(__file__).resolve()),)
+# Start-up code for every process of a child (child_site/sitecustomize.py).
+CHILD_SITE = Path(__file__).with_name("child_site")
 
 
 def _generate(llm: Any, config: dict[str, Any], result: dict[str, Any]) -> None:
@@ -122,6 +126,24 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
 def run_in_child(config: dict[str, Any], env: dict[str, str], **kwargs: Any) -> dict[str, Any]:
     """``run(config)`` in a fresh Python process (see ``engine_run.run_in_child``)."""
     return engine_run.run_in_child(config, env, entry=ENTRY, **kwargs)
+
+
+def with_child_site(env: dict[str, str], **settings: str) -> dict[str, str]:
+    """``env`` for a child whose every process runs ``child_site`` at start-up,
+    with its ``settings`` (``SPECDEC_TEST_*``); the plugin's log is timed."""
+    path = os.pathsep.join(filter(None, [str(CHILD_SITE), env.get("PYTHONPATH")]))
+    return {**env, "PYTHONPATH": path, "SPECDEC_TEST_TIMED_LOG": "1", **settings}
+
+
+def shutdown_evidence(result: dict[str, Any], store: Any = None) -> str:
+    """How a child's engine stopped, for a failure message: the plugin's
+    (timed) log lines, vLLM's ``[shutdown]`` lines and when the receiver
+    got each export (wall clock)."""
+    plugin = [line for line in result.get("stderr", "").splitlines() if "otel_specdec" in line]
+    arrivals = [time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
+                for t in (store.received_at if store is not None else [])]
+    return "\n".join(["plugin:", *plugin, "vLLM:", result.get("shutdown_log", ""),
+                      f"receiver got exports at: {arrivals}"])
 
 
 def main() -> None:

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 from engine_child import RESULT_PREFIX, run
+
+__all__ = ["RUN_MARK", "run_plan_in_child"]
 
 RUN_MARK = "=== run "
 
@@ -40,6 +45,18 @@ def _register_kernel_overrides_once() -> None:
             register()
 
     CpuPlatform.register_triton_kernel_overrides = classmethod(once)  # type: ignore[method-assign,assignment]
+
+
+def run_plan_in_child(plan: dict[str, Any], env: dict[str, str],
+                      timeout: float) -> tuple[list[dict[str, Any]], str]:
+    """``plan`` in a fresh child process: each run's result, and the child's stderr."""
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), json.dumps(plan)], env=env,
+        capture_output=True, text=True, timeout=timeout)
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in proc.stdout.splitlines()
+               if line.startswith(RESULT_PREFIX)]
+    assert proc.returncode == 0 and len(results) == len(plan["runs"]), proc.stderr[-6000:]
+    return results, proc.stderr
 
 
 def main() -> None:

@@ -8,12 +8,12 @@ these tests also prove that the final values are flushed at shutdown.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from engine_child import run_in_child
+from engine_child import run_in_child, shutdown_evidence, with_child_site
+from fault_helpers import clean_env
 from opentelemetry.sdk.resources import Resource
 
 from otel_specdec.demo.receiver import OtlpReceiver
@@ -25,10 +25,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("OTEL_") and k != "VLLM_PLUGINS"}
-    env.update(extra)
-    return env
+    # The plugin's log timed: a failure shows how the engine stopped.
+    return with_child_site(clean_env(**extra))
 
 
 def run_engine(config: dict, env: dict[str, str], launcher: tuple[str, ...] = ()) -> dict:
@@ -52,8 +50,7 @@ def run_with_receiver(config: dict, protocol: str = "grpc", launcher: tuple[str,
 def assert_totals_equal_vllm(result: dict, store, own_provider: bool = True) -> None:
     vllm = result["vllm"]
     assert vllm["drafts"] > 0
-    assert received(store) == vllm, (result.get("stderr", "")[-4000:],
-                                     result.get("shutdown_log"))
+    assert received(store) == vllm, shutdown_evidence(result, store)
     length = store.histogram_total("vllm.spec_decode.acceptance_length")
     assert length.count == vllm["drafts"]
     assert length.sum == vllm["drafts"] + vllm["accepted_tokens"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from engine_child import run_in_child
+from engine_child import run_in_child, shutdown_evidence, with_child_site
 from fault_helpers import ApiServer, clean_env, prometheus_counters
 
 from otel_specdec import _instruments as names
@@ -54,7 +54,8 @@ def run_traced(tiny_model: str, receiver: OtlpReceiver, **env: str) -> dict:
     headers = [traceparent(i) for i in range(len(DEFAULT_PROMPTS))]
     return run_in_child(
         {"model": tiny_model, "speculative_config": NGRAM, "trace_headers": headers},
-        clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint("grpc"), **env), timeout=420)
+        with_child_site(clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint("grpc"), **env)),
+        timeout=420)
 
 
 def test_offline_request_spans_in_their_traces_sum_to_vllm(tiny_model):
@@ -79,7 +80,7 @@ def test_offline_request_spans_in_their_traces_sum_to_vllm(tiny_model):
         assert span.start_ns < span.end_ns
     # The spans and the metrics come from the same process identity.
     series = store.series(names.DRAFTS)
-    assert len(series) == 1, (result.get("stderr", "")[-6000:], result["shutdown_log"])
+    assert len(series) == 1, shutdown_evidence(result, store)
     [metric_series] = series
     assert {s.resource["service.instance.id"] for s in spans} == {
         metric_series.resource["service.instance.id"]}

@@ -154,31 +154,37 @@ class MetricsStore:
             )
         return series
 
-    def series(self, name: str | None = None) -> list[_Series]:
+    def series(self, name: str | None = None,
+               resource: dict[str, Any] | None = None) -> list[_Series]:
+        """Series named ``name`` whose resource has the ``resource`` attributes."""
         with self._lock:
-            return [s for s in self._series.values() if name is None or s.name == name]
+            return [s for s in self._series.values() if (name is None or s.name == name)
+                    and all(s.resource.get(k) == v for k, v in (resource or {}).items())]
 
-    def counter_total(self, name: str, **match: Any) -> int | float:
+    def counter_total(self, name: str, resource: dict[str, Any] | None = None,
+                      **match: Any) -> int | float:
         return sum(
-            s.value for s in self.series(name)
+            s.value for s in self.series(name, resource)
             if all(s.attributes.get(k) == v for k, v in match.items())
         )
 
-    def by_attribute(self, name: str, attribute: str) -> dict[Any, int | float]:
+    def by_attribute(self, name: str, attribute: str,
+                     resource: dict[str, Any] | None = None) -> dict[Any, int | float]:
         out: dict[Any, int | float] = {}
-        for s in self.series(name):
+        for s in self.series(name, resource):
             key = s.attributes.get(attribute)
             out[key] = out.get(key, 0) + s.value
         return out
 
-    def spec_decode_totals(self) -> dict[str, Any]:
-        """The totals comparable with vLLM's own counters (``engine_run.vllm_counters``)."""
+    def spec_decode_totals(self, resource: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The totals comparable with vLLM's own counters (``engine_run.vllm_counters``),
+        of the series whose resource has the ``resource`` attributes."""
         per_pos = self.by_attribute("vllm.spec_decode.accepted_tokens",
-                                    "vllm.spec_decode.position")
+                                    "vllm.spec_decode.position", resource)
         return {
-            "drafts": self.counter_total("vllm.spec_decode.drafts"),
-            "draft_tokens": self.counter_total("vllm.spec_decode.draft_tokens"),
-            "accepted_tokens": self.counter_total("vllm.spec_decode.accepted_tokens"),
+            "drafts": self.counter_total("vllm.spec_decode.drafts", resource),
+            "draft_tokens": self.counter_total("vllm.spec_decode.draft_tokens", resource),
+            "accepted_tokens": self.counter_total("vllm.spec_decode.accepted_tokens", resource),
             "accepted_per_pos": [per_pos[p] for p in sorted(per_pos)],
         }
 
