@@ -35,6 +35,9 @@ How: for a manager whose engine speculates, ``shutdown`` waits up to
 ``timeout + shutdown budget + teardown margin`` before it SIGKILLs (the
 budget, ``OTEL_SPECDEC_SHUTDOWN_TIMEOUT``, bounds the plugin's whole
 shutdown, spans included, and has a ceiling).
+After vLLM's shutdown (both paths), an engine that still owed its final
+export when it ended (killed) gets one warning here, in the process that
+killed it (``_export_ledger``): the engine itself cannot log it.
 The wait ends as soon as the engine exits; vLLM's own draining rule
 (``shutdown_timeout``) is unchanged, because the engine decides by itself
 whether to abort or drain. Nothing changes for non-speculative engines.
