@@ -142,8 +142,9 @@ def shutdown_evidence(result: dict[str, Any], store: Any = None) -> str:
     plugin = [line for line in result.get("stderr", "").splitlines() if "otel_specdec" in line]
     arrivals = [time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
                 for t in (store.received_at if store is not None else [])]
+    refused = store.refused if store is not None else []
     return "\n".join(["plugin:", *plugin, "vLLM:", result.get("shutdown_log", ""),
-                      f"receiver got exports at: {arrivals}"])
+                      f"receiver got exports at: {arrivals}", f"receiver refused: {refused}"])
 
 
 def main() -> None:

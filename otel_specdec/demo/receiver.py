@@ -104,19 +104,27 @@ class MetricsStore:
         self.requests = 0
         # Wall-clock time (time.time()) of each export request received.
         self.received_at: list[float] = []
+        # (time.time(), error) of each request the store could not take:
+        # the sender got an error back.
+        self.refused: list[tuple[float, str]] = []
         self.changed = threading.Condition(self._lock)
 
     def ingest(self, request: metrics_service_pb2.ExportMetricsServiceRequest) -> None:
         with self._lock:
             self.requests += 1
             self.received_at.append(time.time())
-            for rm in request.resource_metrics:
-                resource = attributes_of(rm.resource.attributes)
-                for sm in rm.scope_metrics:
-                    scope = (sm.scope.name, sm.scope.version)
-                    for metric in sm.metrics:
-                        self._ingest_metric(resource, scope, metric)
-            self.changed.notify_all()
+            try:
+                for rm in request.resource_metrics:
+                    resource = attributes_of(rm.resource.attributes)
+                    for sm in rm.scope_metrics:
+                        scope = (sm.scope.name, sm.scope.version)
+                        for metric in sm.metrics:
+                            self._ingest_metric(resource, scope, metric)
+            except Exception as exc:
+                self.refused.append((time.time(), repr(exc)))
+                raise
+            finally:
+                self.changed.notify_all()
 
     def _ingest_metric(self, resource: dict[str, Any], scope: tuple[str, str], metric: Any) -> None:
         kind = metric.WhichOneof("data")
