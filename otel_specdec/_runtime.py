@@ -128,8 +128,8 @@ class Runtime:
             lambda: self.provider.force_flush(timeout_millis=_millis(deadline)),
             deadline.remaining_s(), "metrics-flush",
         )
-        self._check_delivered(done, began, deadline, "flush")
         _export_ledger.settle()
+        self._check_delivered(done, began, deadline, "flush")
         if self.spans is not None:
             self.spans.flush(deadline)
 
@@ -153,10 +153,13 @@ class Runtime:
                 lambda: self.provider.shutdown(timeout_millis=_millis(deadline)),
                 deadline.remaining_s(), "metrics-shutdown",
             )
+            # Settled before the warning: a line says what was lost either
+            # here or, if the engine is killed before this, in its front end.
+            _export_ledger.settle()
             self._check_delivered(done, began, deadline, "export")
         else:
             bind_counters(self.provider, None)
-        _export_ledger.settle()
+            _export_ledger.settle()
         self.injector.detach_all()
         # Metrics first: they are the complete record; spans are samples.
         if self.spans is not None:
