@@ -22,6 +22,7 @@ from engine_runs_child import run_plan_in_child
 from fault_helpers import clean_env
 
 from otel_specdec._settings import SHUTDOWN_TIMEOUT_ENV
+from otel_specdec._shutdown_grace import _TEARDOWN_MARGIN_S, _VLLM_DEFAULT_GRACE_S
 from otel_specdec.demo.receiver import OtlpReceiver
 
 pytestmark = pytest.mark.engine
@@ -32,10 +33,6 @@ PROTOCOLS = ("grpc", "http/protobuf")
 SOAK_RUNS = 30
 # The resource attribute that tells the soak's runs apart at the receiver.
 RUN_ATTR = "specdec.test.run"
-# The front end's margin for engine teardown (otel_specdec._shutdown_grace)
-# and vLLM's own grace for an LLM (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS).
-TEARDOWN_MARGIN_S = 5.0
-VLLM_GRACE_S = 5.0
 LOST_WARNING = "ended before its final metrics export had finished"
 
 
@@ -75,7 +72,8 @@ def test_engine_killed_before_its_final_export_warns_once(tiny_model, protocol):
     once, naming the engine. (Without the export ledger, the loss was
     silent: the only process that knew was the one killed.)"""
     budget_s = 1.0
-    grace_s = VLLM_GRACE_S + budget_s + TEARDOWN_MARGIN_S
+    # vLLM's grace for an LLM plus the budget plus the teardown margin.
+    grace_s = _VLLM_DEFAULT_GRACE_S + budget_s + _TEARDOWN_MARGIN_S
     with OtlpReceiver() as receiver:
         env = with_child_site(
             clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint(protocol),
