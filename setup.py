@@ -1,14 +1,20 @@
 """Build hook for the optional C accelerator (everything else is in pyproject.toml).
 
-``otel_specdec._rowscan`` is optional: where it cannot be compiled (no C
-compiler, an unusual platform), the package installs without it and the
-plugin uses its pure-Python accounting.
+``otel_specdec._rowscan`` is built on Python's limited API (3.10 and later),
+so one binary serves every supported Python and the wheel is tagged
+``cp310-abi3``. It is optional: where it cannot be compiled (no C compiler,
+an unusual platform), the package installs without it and the plugin uses
+its pure-Python accounting. ``scripts/build-dist.sh`` builds the published
+wheels.
 """
 
 from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("otel_specdec._rowscan", ["otel_specdec/_rowscan.c"], optional=True),
+        # Py_LIMITED_API is set in the source itself, so no build can miss it.
+        Extension("otel_specdec._rowscan", ["otel_specdec/_rowscan.c"], optional=True,
+                  py_limited_api=True),
     ],
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

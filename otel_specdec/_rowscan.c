@@ -21,6 +21,9 @@
  * rules; this file follows them.
  */
 #define PY_SSIZE_T_CLEAN
+/* Python's stable ABI from 3.10 on: one binary (an abi3 wheel) serves every
+ * later Python, and nothing here reads CPython's internals. */
+#define Py_LIMITED_API 0x030A0000
 #include <Python.h>
 #include <string.h>
 #include <time.h>
@@ -53,10 +56,20 @@ static const char *const count_roles[N_COUNTS] = {"empty_proposals", "padding_to
 enum { PLAN_ROOT, PLAN_SAMPLED_PARENT, PLAN_UNSAMPLED_PARENT, N_PLAN };
 static const char *const plan_roles[N_PLAN] = {"root", "sampled_parent", "unsampled_parent"};
 
-/* CPython keeps one object for each small int: every -1 that the
- * interpreter, PyLong_FromLong or .tolist() makes is this one, so a -1
- * placeholder is told by its address, without reading the (cold) object. */
+/* CPython keeps one object for each small int (the C API's documented
+ * behaviour for -5..256, on every version): every -1 that the interpreter,
+ * PyLong_FromLong or .tolist() makes is the one PyLong_FromLong(-1) returns,
+ * so a -1 placeholder is told by its address, without reading the (cold)
+ * object. */
 static PyObject *minus_one;
+
+/* Replace the reference in dst by src, then drop the old one. */
+#define SET_REF(dst, src)              \
+    do {                               \
+        PyObject *old_ = (PyObject *)(dst); \
+        (dst) = (src);                 \
+        Py_XDECREF(old_);              \
+    } while (0)
 static PyObject *str_status, *str_is_finished, *str_trace_headers, *str_traceparent;
 
 typedef struct {
@@ -125,9 +138,9 @@ static Py_ssize_t
 sized_len(PyObject *obj)
 {
     if (PyList_CheckExact(obj))
-        return PyList_GET_SIZE(obj);
+        return PyList_Size(obj);
     if (PyTuple_CheckExact(obj))
-        return PyTuple_GET_SIZE(obj);
+        return PyTuple_Size(obj);
     return PyObject_Length(obj);
 }
 
@@ -147,11 +160,11 @@ static Py_ssize_t
 padding_in(PyObject *drafts, Py_ssize_t d)
 {
     if (PyList_CheckExact(drafts)) {
-        if (PyList_GET_ITEM(drafts, d - 1) != minus_one)
+        if (PyList_GetItem(drafts, d - 1) != minus_one)
             return 0;
         Py_ssize_t count = 0;
         for (Py_ssize_t j = 0; j < d; j++)
-            count += PyList_GET_ITEM(drafts, j) == minus_one;
+            count += PyList_GetItem(drafts, j) == minus_one;
         return count;
     }
     PyObject *last = PySequence_GetItem(drafts, d - 1);
@@ -179,12 +192,12 @@ padding_in(PyObject *drafts, Py_ssize_t d)
 static int
 add_tally(PyObject *tally, long long *drafted, long long *accepted)
 {
-    if (!PyTuple_CheckExact(tally) || PyTuple_GET_SIZE(tally) != 2) {
+    if (!PyTuple_CheckExact(tally) || PyTuple_Size(tally) != 2) {
         PyErr_SetString(PyExc_TypeError, "spilled tally: (drafted, accepted) expected");
         return -1;
     }
-    long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(tally, 0));
-    long long a = PyLong_AsLongLong(PyTuple_GET_ITEM(tally, 1));
+    long long d = PyLong_AsLongLong(PyTuple_GetItem(tally, 0));
+    long long a = PyLong_AsLongLong(PyTuple_GetItem(tally, 1));
     if (PyErr_Occurred())
         return -1;
     *drafted += d;
@@ -332,7 +345,7 @@ keeps_for_traceparent(Scanner *self, PyObject *value)
         return PyErr_Occurred() ? -1 : keep[PLAN_ROOT];
     if ((PyList_Check(value) || PyTuple_Check(value)) && PySequence_Size(value) > 0) {
         PyObject *first = PySequence_GetItem(value, 0); /* a multi-valued header */
-        Py_SETREF(value, first);
+        SET_REF(value, first);
         if (value == NULL)
             return -1;
     }
@@ -371,7 +384,7 @@ keeps_detail(Scanner *self, PyObject *request)
 static int
 list_add(PyObject *list, Py_ssize_t v, long long count)
 {
-    while (PyList_GET_SIZE(list) <= v) {
+    while (PyList_Size(list) <= v) {
         PyObject *zero = PyLong_FromLong(0);
         int rc = zero == NULL ? -1 : PyList_Append(list, zero);
         Py_XDECREF(zero);
@@ -385,7 +398,7 @@ list_add(PyObject *list, Py_ssize_t v, long long count)
 static int
 entry_first(PyObject *entry, long long first)
 {
-    long long old = PyLong_AsLongLong(PyList_GET_ITEM(entry, 1));
+    long long old = PyLong_AsLongLong(PyList_GetItem(entry, 1));
     if (old == -1 && PyErr_Occurred())
         return -1;
     if (!first || (old && old <= first))
@@ -425,8 +438,8 @@ add_spilled_detail(Scanner *self, PyObject *req_id, PyObject *request, Py_ssize_
     PyObject *entry = spilled_detail(self, req_id, request);
     if (entry == NULL)
         return -1;
-    if (list_add(PyList_GET_ITEM(entry, 2), a, 1) < 0 ||
-        list_add(PyList_GET_ITEM(entry, 3), d, 1) < 0)
+    if (list_add(PyList_GetItem(entry, 2), a, 1) < 0 ||
+        list_add(PyList_GetItem(entry, 3), d, 1) < 0)
         return -1;
     return entry_first(entry, when);
 }
@@ -448,20 +461,20 @@ reset_row_detail(Scanner *self, Py_ssize_t i)
 static int
 spill_row_detail(Scanner *self, Py_ssize_t i)
 {
-    PyObject *owner = PyList_GET_ITEM(self->owners, i);
+    PyObject *owner = PyList_GetItem(self->owners, i);
     if (self->want[i] == 0 && owner != Py_None &&
         PyDict_SetItem(self->det_spilled, owner, Py_None) < 0)
         return -1;
     if (self->want[i] > 0 && self->first_ns[i]) {
-        PyObject *entry = spilled_detail(self, PyList_GET_ITEM(self->owners, i),
+        PyObject *entry = spilled_detail(self, PyList_GetItem(self->owners, i),
                                          self->det_req[i]);
         if (entry == NULL)
             return -1;
         const long long *row = row_detail(self, i);
         for (Py_ssize_t v = 0; v < self->dsize; v++) {
-            if ((row[v] && list_add(PyList_GET_ITEM(entry, 2), v, row[v]) < 0) ||
+            if ((row[v] && list_add(PyList_GetItem(entry, 2), v, row[v]) < 0) ||
                 (row[self->dsize + v] &&
-                 list_add(PyList_GET_ITEM(entry, 3), v, row[self->dsize + v]) < 0))
+                 list_add(PyList_GetItem(entry, 3), v, row[self->dsize + v]) < 0))
                 return -1;
         }
         if (entry_first(entry, self->first_ns[i]) < 0)
@@ -486,11 +499,11 @@ set_want(Scanner *self, Py_ssize_t i, int keep, PyObject *request)
 static int
 decided_before(Scanner *self, Py_ssize_t i, PyObject *req_id)
 {
-    PyObject *known = PyDict_GET_SIZE(self->det_spilled)
+    PyObject *known = PyDict_Size(self->det_spilled)
                           ? PyDict_GetItemWithError(self->det_spilled, req_id) : NULL;
     if (known == NULL)
         return PyErr_Occurred() ? -1 : 0;
-    set_want(self, i, known != Py_None, known != Py_None ? PyList_GET_ITEM(known, 0) : NULL);
+    set_want(self, i, known != Py_None, known != Py_None ? PyList_GetItem(known, 0) : NULL);
     return 1;
 }
 
@@ -562,7 +575,7 @@ decide_pending(Scanner *self)
         if (self->want[i] >= 0) /* decided since, at a verified draft */
             continue;
         PyObject *request = PyDict_GetItemWithError(self->requests,
-                                                    PyList_GET_ITEM(self->owners, i));
+                                                    PyList_GetItem(self->owners, i));
         if (request == NULL) {
             if (PyErr_Occurred())
                 return -1;
@@ -586,16 +599,11 @@ decide_pending(Scanner *self)
         if (link[j] != NULL)
             prefetch_object(link[j]);
     }
-#ifndef Py_LIMITED_API
-    for (j = 0; j < m; j++) /* the headers' key tables */
-        if (link[j] != NULL && PyDict_CheckExact(link[j]))
-            prefetch_object(((PyDictObject *)link[j])->ma_keys);
-#endif
     for (j = 0; j < m; j++) { /* the traceparent values */
         if (link[j] == NULL)
             continue;
         PyObject *value = traceparent_of(link[j]);
-        Py_SETREF(link[j], value);
+        SET_REF(link[j], value);
         if (value == NULL && PyErr_Occurred())
             goto fail;
         if (value != NULL)
@@ -642,25 +650,25 @@ add_row_detail(Scanner *self, Py_ssize_t i, PyObject *req_id, Py_ssize_t a, Py_s
 static PyObject *
 packed_counts(const long long *row, Py_ssize_t dsize, PyObject *entry)
 {
-    PyObject *spilled[2] = {entry ? PyList_GET_ITEM(entry, 2) : NULL,
-                            entry ? PyList_GET_ITEM(entry, 3) : NULL};
+    PyObject *spilled[2] = {entry ? PyList_GetItem(entry, 2) : NULL,
+                            entry ? PyList_GetItem(entry, 3) : NULL};
     Py_ssize_t n = dsize;
     for (int h = 0; h < 2; h++)
-        if (spilled[h] != NULL && PyList_GET_SIZE(spilled[h]) > n)
-            n = PyList_GET_SIZE(spilled[h]);
+        if (spilled[h] != NULL && PyList_Size(spilled[h]) > n)
+            n = PyList_Size(spilled[h]);
     PyObject *out = PyBytes_FromStringAndSize(NULL, 2 * n * sizeof(long long));
     if (out == NULL)
         return NULL;
-    long long *counts = (long long *)PyBytes_AS_STRING(out);
+    long long *counts = (long long *)PyBytes_AsString(out);
     memset(counts, 0, 2 * n * sizeof(long long));
     for (int h = 0; h < 2; h++) {
         long long *into = counts + h * n;
         if (row != NULL)
             for (Py_ssize_t v = 0; v < dsize; v++)
                 into[v] = row[h * dsize + v];
-        Py_ssize_t m = spilled[h] != NULL ? PyList_GET_SIZE(spilled[h]) : 0;
+        Py_ssize_t m = spilled[h] != NULL ? PyList_Size(spilled[h]) : 0;
         for (Py_ssize_t v = 0; v < m; v++) {
-            long long more = PyLong_AsLongLong(PyList_GET_ITEM(spilled[h], v));
+            long long more = PyLong_AsLongLong(PyList_GetItem(spilled[h], v));
             if (more == -1 && PyErr_Occurred()) {
                 Py_DECREF(out);
                 return NULL;
@@ -676,7 +684,7 @@ packed_counts(const long long *row, Py_ssize_t dsize, PyObject *entry)
 static int
 handover_room(Scanner *self)
 {
-    if (PyList_GET_SIZE(self->handover) < self->handover_limit)
+    if (PyList_Size(self->handover) < self->handover_limit)
         return 1;
     if (self->dropped++ == 0 && self->on_drop != Py_None) {
         PyObject *result = PyObject_CallNoArgs(self->on_drop);
@@ -696,17 +704,17 @@ append_detail(Scanner *self, PyObject *request, long long first, const long long
     PyObject *item = PyTuple_New(6);
     if (item == NULL)
         return -1;
-    PyTuple_SET_ITEM(item, 0, Py_NewRef(self->totals));
+    PyTuple_SetItem(item, 0, Py_NewRef(self->totals));
     PyObject *headers = field(request, str_trace_headers);
-    PyTuple_SET_ITEM(item, 1, headers ? headers : Py_NewRef(Py_None));
+    PyTuple_SetItem(item, 1, headers ? headers : Py_NewRef(Py_None));
     PyObject *status = PyErr_Occurred() ? NULL : field(request, str_status);
-    PyTuple_SET_ITEM(item, 2, status ? status : Py_NewRef(Py_None));
+    PyTuple_SetItem(item, 2, status ? status : Py_NewRef(Py_None));
     int rc = -1;
     if (!PyErr_Occurred()) {
         PyObject *values[3] = {PyLong_FromLongLong(first), PyLong_FromLongLong(now_ns()),
                                packed_counts(row, self->dsize, entry)};
         for (int j = 0; j < 3; j++)
-            PyTuple_SET_ITEM(item, 3 + j, values[j]); /* NULL where it failed */
+            PyTuple_SetItem(item, 3 + j, values[j]); /* NULL where it failed */
         if (values[0] && values[1] && values[2])
             rc = PyList_Append(self->handover, item);
     }
@@ -721,7 +729,7 @@ static int
 hand_over_detail(Scanner *self, PyObject *req_id, Py_ssize_t row)
 {
     PyObject *entry = NULL;
-    if (PyDict_GET_SIZE(self->det_spilled)) {
+    if (PyDict_Size(self->det_spilled)) {
         entry = PyDict_GetItemWithError(self->det_spilled, req_id);
         if (entry == NULL && PyErr_Occurred())
             return -1;
@@ -736,10 +744,10 @@ hand_over_detail(Scanner *self, PyObject *req_id, Py_ssize_t row)
     int in_row = row >= 0 && self->want[row] > 0 && self->first_ns[row];
     int rc = 0;
     if (entry != NULL || in_row) {
-        PyObject *request = in_row ? self->det_req[row] : PyList_GET_ITEM(entry, 0);
+        PyObject *request = in_row ? self->det_req[row] : PyList_GetItem(entry, 0);
         long long first = in_row ? self->first_ns[row] : 0;
         if (entry != NULL) {
-            long long other = PyLong_AsLongLong(PyList_GET_ITEM(entry, 1));
+            long long other = PyLong_AsLongLong(PyList_GetItem(entry, 1));
             if (other == -1 && PyErr_Occurred())
                 rc = -1;
             else if (other && (!first || other < first))
@@ -762,7 +770,7 @@ hand_over_detail(Scanner *self, PyObject *req_id, Py_ssize_t row)
 static int
 reassign(Scanner *self, Py_ssize_t i, PyObject *new_owner)
 {
-    PyObject *old = PyList_GET_ITEM(self->owners, i);
+    PyObject *old = PyList_GetItem(self->owners, i);
     if (old != Py_None && spill(self, old, self->drf[i], self->acc[i]) < 0)
         return -1;
     if (self->detail && spill_row_detail(self, i) < 0)
@@ -823,7 +831,7 @@ grow_detail(Scanner *self, Py_ssize_t cap)
 static int
 fit(Scanner *self, Py_ssize_t n)
 {
-    Py_ssize_t m = PyList_GET_SIZE(self->owners);
+    Py_ssize_t m = PyList_Size(self->owners);
     if (n > self->cap) {
         Py_ssize_t cap = n > 2 * self->cap ? n : 2 * self->cap;
         int failed = 0;
@@ -872,8 +880,8 @@ delete_where_not(PyObject *dict, int (*keep)(Scanner *, PyObject *, PyObject *),
         if (kept < 0 || (!kept && PyList_Append(expired, key) < 0))
             goto fail;
     }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(expired); i++)
-        if (PyDict_DelItem(dict, PyList_GET_ITEM(expired, i)) < 0)
+    for (Py_ssize_t i = 0; i < PyList_Size(expired); i++)
+        if (PyDict_DelItem(dict, PyList_GetItem(expired, i)) < 0)
             goto fail;
     Py_DECREF(expired);
     return 0;
@@ -901,9 +909,9 @@ is_live(Scanner *self, PyObject *req_id, PyObject *value)
 static int
 any_stale(Scanner *self, PyObject *rows, PyObject *spec)
 {
-    Py_ssize_t n = PyList_GET_SIZE(rows);
+    Py_ssize_t n = PyList_Size(rows);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *req_id = PyList_GET_ITEM(rows, i);
+        PyObject *req_id = PyList_GetItem(rows, i);
         if (PyDict_GetItemWithError(spec, req_id) == NULL) {
             if (PyErr_Occurred())
                 return -1;
@@ -962,7 +970,7 @@ bump(PyObject *list, Py_ssize_t i, long long delta)
 {
     if (!delta)
         return 0;
-    long long old = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+    long long old = PyLong_AsLongLong(PyList_GetItem(list, i));
     if (old == -1 && PyErr_Occurred())
         return -1;
     PyObject *sum = PyLong_FromLongLong(old + delta);
@@ -1004,7 +1012,7 @@ add_rates(Scanner *self, const Rates *rates)
 {
     if (!rates->count)
         return 0;
-    double old = PyFloat_AsDouble(PyList_GET_ITEM(self->rate_sum, 0));
+    double old = PyFloat_AsDouble(PyList_GetItem(self->rate_sum, 0));
     if (old == -1.0 && PyErr_Occurred())
         return -1;
     PyObject *sum = PyFloat_FromDouble(old + rates->sum);
@@ -1014,12 +1022,12 @@ add_rates(Scanner *self, const Rates *rates)
     PyObject *key, *tracker;
     Py_ssize_t pos = 0;
     while (PyDict_Next(self->trackers, &pos, &key, &tracker)) {
-        if (!PyList_Check(tracker) || PyList_GET_SIZE(tracker) != 2) {
+        if (!PyList_Check(tracker) || PyList_Size(tracker) != 2) {
             PyErr_SetString(PyExc_TypeError, "rate tracker: [min, max] expected");
             return -1;
         }
-        double lo = PyFloat_AsDouble(PyList_GET_ITEM(tracker, 0));
-        double hi = PyFloat_AsDouble(PyList_GET_ITEM(tracker, 1));
+        double lo = PyFloat_AsDouble(PyList_GetItem(tracker, 0));
+        double hi = PyFloat_AsDouble(PyList_GetItem(tracker, 1));
         if (PyErr_Occurred())
             return -1;
         if (rates->lo < lo) {
@@ -1043,7 +1051,7 @@ add_rates(Scanner *self, const Rates *rates)
 static int
 find_row(Scanner *self, PyObject *req_id, Py_ssize_t *row)
 {
-    Py_ssize_t rows = PyList_GET_SIZE(self->owners);
+    Py_ssize_t rows = PyList_Size(self->owners);
     *row = -1;
     if (self->row_of != NULL) {
         /* The rows are this step's: a request not at its index is in none. */
@@ -1054,7 +1062,7 @@ find_row(Scanner *self, PyObject *req_id, Py_ssize_t *row)
         if (i == -1 && PyErr_Occurred())
             return -1;
         if (i >= 0 && i < rows) {
-            int same = same_owner(PyList_GET_ITEM(self->owners, i), req_id);
+            int same = same_owner(PyList_GetItem(self->owners, i), req_id);
             if (same < 0)
                 return -1;
             if (same)
@@ -1069,7 +1077,7 @@ find_row(Scanner *self, PyObject *req_id, Py_ssize_t *row)
     for (Py_ssize_t i = 0; i < rows; i++) {
         if (hashes[i] != hash)
             continue;
-        int same = same_owner(PyList_GET_ITEM(self->owners, i), req_id);
+        int same = same_owner(PyList_GetItem(self->owners, i), req_id);
         if (same < 0)
             return -1;
         if (same) {
@@ -1096,7 +1104,7 @@ release_one(Scanner *self, PyObject *req_id, PyObject *when, Rates *rates)
         self->drf[row] = 0;
         self->acc[row] = 0;
     }
-    if (PyDict_GET_SIZE(self->spilled)) {
+    if (PyDict_Size(self->spilled)) {
         PyObject *tally = PyDict_GetItemWithError(self->spilled, req_id);
         if (tally != NULL) {
             if (add_tally(tally, &drafted, &accepted) < 0)
@@ -1205,14 +1213,14 @@ read_inputs(Scanner *self, PyObject *so, PyObject *mro, StepInputs *in)
         !PyList_CheckExact(in->sampled) || !PyList_CheckExact(in->rows) ||
         (in->row_of != NULL && !PyDict_CheckExact(in->row_of)))
         return 0;
-    Py_ssize_t n = PyList_GET_SIZE(in->rows);
-    if (n == 0 || PyList_GET_SIZE(in->sampled) != n)
+    Py_ssize_t n = PyList_Size(in->rows);
+    if (n == 0 || PyList_Size(in->sampled) != n)
         return 0;
     if (in->row_of == NULL)
         goto in_row_order;
     /* Outputs in row order: the index agrees at both ends. */
-    PyObject *first = PyDict_GetItemWithError(in->row_of, PyList_GET_ITEM(in->rows, 0));
-    PyObject *last = first ? PyDict_GetItemWithError(in->row_of, PyList_GET_ITEM(in->rows, n - 1))
+    PyObject *first = PyDict_GetItemWithError(in->row_of, PyList_GetItem(in->rows, 0));
+    PyObject *last = first ? PyDict_GetItemWithError(in->row_of, PyList_GetItem(in->rows, n - 1))
                            : NULL;
     if (last == NULL || !PyLong_CheckExact(first) || !PyLong_CheckExact(last))
         return PyErr_Occurred() ? -1 : 0;
@@ -1248,7 +1256,7 @@ static int
 is_finished(Scanner *self, PyObject *request)
 {
     if (self->finished_above < 0) {
-        PyObject *result = PyObject_CallMethodNoArgs(request, str_is_finished);
+        PyObject *result = PyObject_CallMethodObjArgs(request, str_is_finished, NULL);
         if (result == NULL)
             return -1;
         int truth = PyObject_IsTrue(result);
@@ -1279,9 +1287,9 @@ typedef struct {
 static int
 scan_rows(Scanner *self, StepInputs *in, PyObject *freed, Pass *p)
 {
-    Py_ssize_t n = PyList_GET_SIZE(in->rows);
-    Py_ssize_t acc_cap = PyList_GET_SIZE(self->acc_hist);
-    Py_ssize_t drf_cap = PyList_GET_SIZE(self->drf_hist);
+    Py_ssize_t n = PyList_Size(in->rows);
+    Py_ssize_t acc_cap = PyList_Size(self->acc_hist);
+    Py_ssize_t drf_cap = PyList_Size(self->drf_hist);
     if (acc_cap > HIST_SIZE)
         acc_cap = HIST_SIZE;
     if (drf_cap > HIST_SIZE)
@@ -1289,13 +1297,13 @@ scan_rows(Scanner *self, StepInputs *in, PyObject *freed, Pass *p)
     long long *acc = self->acc, *drf = self->drf;
     unsigned char *had_output = self->had_output;
     int prev_valid = self->prev_valid;
-    PyObject **rows = PySequence_Fast_ITEMS(in->rows);
-    PyObject **sampled = PySequence_Fast_ITEMS(in->sampled);
-    PyObject **owners = PySequence_Fast_ITEMS(self->owners);
-
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *req_id = rows[i];
-        Py_ssize_t s = sized_len(sampled[i]);
+        PyObject *req_id = PyList_GetItem(in->rows, i);
+        PyObject *sampled = PyList_GetItem(in->sampled, i);
+        PyObject *owner = PyList_GetItem(self->owners, i);
+        if (req_id == NULL || sampled == NULL || owner == NULL)
+            return -1;
+        Py_ssize_t s = sized_len(sampled);
         if (s < 0)
             return -1;
         PyObject *drafts = PyDict_GetItemWithError(in->spec, req_id);
@@ -1306,7 +1314,7 @@ scan_rows(Scanner *self, StepInputs *in, PyObject *freed, Pass *p)
         } else if (PyErr_Occurred()) {
             return -1;
         }
-        int same = same_owner(owners[i], req_id);
+        int same = same_owner(owner, req_id);
         if (same < 0 || (!same && reassign(self, i, req_id) < 0))
             return -1;
         /* vLLM skips output of a request no longer in the scheduler (freed
@@ -1451,8 +1459,8 @@ Scanner_step(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
         release_ids(self, in.finished, &rates) < 0)
         goto done;
     Py_XINCREF(in.row_of);
-    Py_XSETREF(self->row_of, in.row_of);
-    if (fit(self, PyList_GET_SIZE(in.rows)) < 0)
+    SET_REF(self->row_of, in.row_of);
+    if (fit(self, PyList_Size(in.rows)) < 0)
         goto done;
     self->prev_valid = 0; /* until this step is through */
     if (tick(self) < 0)
@@ -1585,7 +1593,7 @@ Scanner_drop_missing(Scanner *self, PyObject *live)
 static PyObject *
 Scanner_clear(Scanner *self, PyObject *Py_UNUSED(ignored))
 {
-    if (PyList_SetSlice(self->owners, 0, PyList_GET_SIZE(self->owners), NULL) < 0)
+    if (PyList_SetSlice(self->owners, 0, PyList_Size(self->owners), NULL) < 0)
         return NULL;
     PyDict_Clear(self->spilled);
     PyDict_Clear(self->released);
@@ -1612,7 +1620,7 @@ static PyObject *
 totals_list(PyObject *totals, const char *name, Py_ssize_t min_size)
 {
     PyObject *value = PyObject_GetAttrString(totals, name);
-    if (value != NULL && (!PyList_CheckExact(value) || PyList_GET_SIZE(value) < min_size)) {
+    if (value != NULL && (!PyList_CheckExact(value) || PyList_Size(value) < min_size)) {
         PyErr_Format(PyExc_TypeError, "Scanner: totals.%s is not a list of %zd", name,
                      min_size);
         Py_CLEAR(value);
@@ -1740,9 +1748,9 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
     self->nb = nb;
     /* Each role by its name: a field this file does not know, or one it
      * needs and is not given, is an error (the two lists have drifted). */
-    if (PyDict_GET_SIZE(fields) != N_FIELDS) {
+    if (PyDict_Size(fields) != N_FIELDS) {
         PyErr_Format(PyExc_ValueError, "Scanner: %d fields expected, got %zd", N_FIELDS,
-                     PyDict_GET_SIZE(fields));
+                     PyDict_Size(fields));
         return -1;
     }
     for (int i = 0; i < N_FIELDS; i++) {
@@ -1763,7 +1771,7 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
             Py_INCREF(name);
         }
         PyUnicode_InternInPlace(&name);
-        Py_XSETREF(self->fields[i], name);
+        SET_REF(self->fields[i], name);
     }
     PyObject *acc_hist = totals_list(totals, "accepted_hist", 1);
     PyObject *drf_hist = totals_list(totals, "drafted_hist", 1);
@@ -1787,17 +1795,17 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
         Py_XDECREF(released);
         return -1;
     }
-    Py_XSETREF(self->acc_hist, acc_hist);
-    Py_XSETREF(self->drf_hist, drf_hist);
-    Py_XSETREF(self->buckets, buckets);
-    Py_XSETREF(self->counts, counts);
-    Py_XSETREF(self->rate_sum, rate_sum);
-    Py_XSETREF(self->trackers, trackers);
-    Py_XSETREF(self->owners, owners);
-    Py_XSETREF(self->spilled, spilled);
-    Py_XSETREF(self->released, released);
+    SET_REF(self->acc_hist, acc_hist);
+    SET_REF(self->drf_hist, drf_hist);
+    SET_REF(self->buckets, buckets);
+    SET_REF(self->counts, counts);
+    SET_REF(self->rate_sum, rate_sum);
+    SET_REF(self->trackers, trackers);
+    SET_REF(self->owners, owners);
+    SET_REF(self->spilled, spilled);
+    SET_REF(self->released, released);
     Py_INCREF(requests);
-    Py_XSETREF(self->requests, requests);
+    SET_REF(self->requests, requests);
     Py_CLEAR(self->row_of);
     self->keep_steps = keep_steps;
     self->prune_every = prune_every;
@@ -1816,6 +1824,7 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
 static int
 Scanner_traverse(Scanner *self, visitproc visit, void *arg)
 {
+    Py_VISIT(Py_TYPE(self)); /* a heap type */
     Py_VISIT(self->owners);
     Py_VISIT(self->spilled);
     Py_VISIT(self->released);
@@ -1879,7 +1888,10 @@ Scanner_dealloc(Scanner *self)
     PyMem_Free(self->pending);
     PyMem_Free(self->pending_req);
     PyMem_Free(self->pending_link);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    PyTypeObject *type = Py_TYPE(self);
+    freefunc free_slot = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    free_slot(self);
+    Py_DECREF(type); /* instances of a heap type hold a reference to it */
 }
 
 static PyObject *
@@ -1953,9 +1965,9 @@ Scanner_get_detail_owners(Scanner *self, void *closure)
 {
     PyObject *out = PyList_New(0);
     if (out != NULL && self->detail)
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->owners); i++)
+        for (Py_ssize_t i = 0; i < PyList_Size(self->owners); i++)
             if (self->det_req[i] != NULL &&
-                PyList_Append(out, PyList_GET_ITEM(self->owners, i)) < 0) {
+                PyList_Append(out, PyList_GetItem(self->owners, i)) < 0) {
                 Py_CLEAR(out);
                 break;
             }
@@ -1989,24 +2001,31 @@ static PyGetSetDef Scanner_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject ScannerType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "otel_specdec._rowscan.Scanner",
-    .tp_doc = PyDoc_STR("Per-row tallies of one scheduler, and its common step in one call."),
-    .tp_basicsize = sizeof(Scanner),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Scanner_init,
-    .tp_dealloc = (destructor)Scanner_dealloc,
-    .tp_traverse = (traverseproc)Scanner_traverse,
-    .tp_clear = (inquiry)Scanner_clear_refs,
-    .tp_methods = Scanner_methods,
-    .tp_getset = Scanner_getset,
+static PyType_Slot Scanner_slots[] = {
+    {Py_tp_doc, (void *)PyDoc_STR("Per-row tallies of one scheduler, and its common step in one call.")},
+    {Py_tp_new, (void *)PyType_GenericNew},
+    {Py_tp_init, (void *)Scanner_init},
+    {Py_tp_dealloc, (void *)Scanner_dealloc},
+    {Py_tp_traverse, (void *)Scanner_traverse},
+    {Py_tp_clear, (void *)Scanner_clear_refs},
+    {Py_tp_methods, Scanner_methods},
+    {Py_tp_getset, Scanner_getset},
+    {0, NULL},
+};
+
+/* A heap type (PyType_FromSpec): the limited API has no static types. */
+static PyType_Spec Scanner_spec = {
+    .name = "otel_specdec._rowscan.Scanner",
+    .basicsize = sizeof(Scanner),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .slots = Scanner_slots,
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_rowscan", "The accounting's common step in one C call.", -1,
-    NULL,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_rowscan",
+    .m_doc = "The accounting's common step in one C call.",
+    .m_size = -1,
 };
 
 PyMODINIT_FUNC
@@ -2018,15 +2037,14 @@ PyInit__rowscan(void)
     str_trace_headers = PyUnicode_InternFromString("trace_headers");
     str_traceparent = PyUnicode_InternFromString("traceparent");
     if (minus_one == NULL || str_status == NULL || str_is_finished == NULL ||
-        str_trace_headers == NULL || str_traceparent == NULL ||
-        PyType_Ready(&ScannerType) < 0)
+        str_trace_headers == NULL || str_traceparent == NULL)
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
-    Py_INCREF(&ScannerType);
-    if (PyModule_AddObject(module, "Scanner", (PyObject *)&ScannerType) < 0) {
-        Py_DECREF(&ScannerType);
+    PyObject *type = PyType_FromSpec(&Scanner_spec);
+    if (type == NULL || PyModule_AddObject(module, "Scanner", type) < 0) {
+        Py_XDECREF(type);
         Py_DECREF(module);
         return NULL;
     }
