@@ -117,17 +117,18 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
 def run_in_child(config: dict[str, Any], env: dict[str, str], *,
                  launcher: tuple[str, ...] = (), stderr: Any = subprocess.PIPE,
                  timeout: float | None = None,
-                 entry: tuple[str, ...] = ("-m", __name__)) -> dict[str, Any]:
+                 entry: tuple[str, ...] = ("-m", __name__),
+                 python: str = sys.executable) -> dict[str, Any]:
     """``run(config)`` in a fresh Python process with ``env``; its result.
 
     ``launcher`` prefixes the command (e.g. ``opentelemetry-instrument``).
     With the default ``stderr``, the child's log is returned as ``"stderr"``;
     vLLM's ``[shutdown]`` log lines (on stdout) as ``"shutdown_log"``.
     ``entry``: what the child runs (a module or script whose ``main`` prints
-    one ``RESULT_PREFIX`` line).
+    one ``RESULT_PREFIX`` line); ``python``: the interpreter (another venv's).
     """
     proc = subprocess.run(
-        [*launcher, sys.executable, *entry, json.dumps(config)],
+        [*launcher, python, *entry, json.dumps(config)],
         env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=timeout,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]

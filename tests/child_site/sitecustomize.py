@@ -12,6 +12,9 @@ these variables:
 * ``SPECDEC_TEST_EXPORT_DELAY_S=<s>``: an engine that stops waits ``s``
   seconds before its final metrics export, as an engine process whose
   main thread is busy when SIGTERM comes reaches it late.
+* ``SPECDEC_TEST_REPORT_PATHS=1``: an engine that stops logs, before its
+  final export, which accounting path took its steps and where its C pass
+  was loaded from (``otel_specdec test: accounting paths {json}``).
 """
 
 from __future__ import annotations
@@ -43,3 +46,32 @@ if _delay_s > 0:
         wrapt.wrap_function_wrapper(module, "Runtime.engine_stopped", _late)
 
     wrapt.register_post_import_hook(_delay_final_export, "otel_specdec._runtime")
+
+if os.environ.get("SPECDEC_TEST_REPORT_PATHS") == "1":
+    import json
+
+    import wrapt
+
+    _accountants: list = []
+
+    def _keep(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+        accountant = wrapped(*args, **kwargs)
+        _accountants.append(accountant)
+        return accountant
+
+    def _report(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+        steps: dict = {}
+        for accountant in _accountants:
+            for path, count in accountant.steps_by_path().items():
+                steps[path] = steps.get(path, 0) + count
+        scanner = sys.modules.get("otel_specdec._rowscan")
+        logging.getLogger("otel_specdec.test").warning(
+            "otel_specdec test: accounting paths %s", json.dumps(
+                {"steps": steps, "c_pass": getattr(scanner, "__file__", None)}))
+        return wrapped(*args, **kwargs)
+
+    def _report_paths(module):  # type: ignore[no-untyped-def]
+        wrapt.wrap_function_wrapper(module, "Runtime.accountant_for", _keep)
+        wrapt.wrap_function_wrapper(module, "Runtime.engine_stopped", _report)
+
+    wrapt.register_post_import_hook(_report_paths, "otel_specdec._runtime")
