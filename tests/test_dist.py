@@ -114,9 +114,7 @@ def _venv_without_compiler(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     the machine's tools without any C compiler (vLLM's CPU build runs lscpu)."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = Path(subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(_purelib(str(venv / "bin" / "python")))
     (site / "vllm_host.pth").write_text(f"{_purelib()}\n")
     tools = tmp_path / "tools"
     tools.mkdir()
@@ -132,10 +130,10 @@ def _venv_without_compiler(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return venv, {**env, "PATH": path}
 
 
-def _purelib() -> str:
-    """The suite's venv's site-packages."""
+def _purelib(python: str = sys.executable) -> str:
+    """A Python's site-packages (by default the suite's venv's)."""
     return subprocess.run(
-        [sys.executable, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
         capture_output=True, text=True, check=True).stdout.strip()
 
 
