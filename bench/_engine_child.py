@@ -79,15 +79,13 @@ def _toggle_rounds(llm: Any, prompts: list[str], params: Any, rounds: int) -> li
 
 
 def _choose_accounting(accounting: str) -> None:
-    """Take the pure-Python fallbacks, as where the C pass was not built
+    """"exact": the exact path only, as where the C pass was not built
     (in-process engine only: the choice is made in this process)."""
     if accounting == "native":
         return
     from otel_specdec import _accounting
 
     _accounting.NATIVE_SCANNER = None
-    if accounting == "exact":
-        _accounting.VECTORISE_FROM_BATCH = 10**9
 
 
 def main() -> None:

@@ -63,15 +63,14 @@ def main() -> None:
         runtime.provider.force_flush()
         return time.thread_time() - t0
 
-    accountant.observe_step(*steps[0][:4], None, None, steps[0][4])
+    accountant.observe_step(*steps[0][:4])
     cycle()  # first export: connection set-up, and every series exists from here on
     print(f"{'drafts/cycle':>13} {'CPU ms/cycle':>13} {'min':>7} {'max':>7}")
     for drafts in [int(d) for d in args.drafts.split(",")]:
         times = []
         for c in range(args.cycles):
             for s in range(drafts // BATCH):
-                accountant.observe_step(*steps[(s + c) % len(steps)][:4], None, None,
-                                        steps[0][4])
+                accountant.observe_step(*steps[(s + c) % len(steps)][:4])
             times.append(cycle())
         print(f"{drafts:>13} {statistics.median(times) * 1e3:>13.2f} "
               f"{min(times) * 1e3:>7.2f} {max(times) * 1e3:>7.2f}", flush=True)

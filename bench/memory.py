@@ -6,7 +6,7 @@ the plugin's structures can be inspected. It generates ``--waves`` waves of
 ``--prompts`` requests; resident memory and the plugin's held state (rows,
 tallies of requests that left their row, remembered released ids, span
 details) are read after each wave. Modes: no plugin; the C pass; the
-pure-Python vectorised path; the exact path only; each of the plugin's
+exact path only (pure Python, as where the C pass was not built); each
 with request spans on (every request sampled, exported to a receiver).
 Held state must stay bounded by the batch, not grow with the requests.
 
@@ -23,8 +23,7 @@ from bench._common import engine_env, run_child, tiny_model
 MIB = 1024 * 1024
 
 
-MODES = ("off", "native", "native+spans", "pure-python", "pure-python+spans", "exact",
-         "exact+spans")
+MODES = ("off", "native", "native+spans", "exact", "exact+spans")
 
 
 def main() -> None:

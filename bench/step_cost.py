@@ -43,7 +43,7 @@ beside each round and subtracts its mean, the measurement's own bias.
 
     .venv/bin/python -m bench.step_cost [--batches 1,64,256,1024] [--ks 1,4,8] [--steps 300]
                                         [--rounds 5] [--tracing] [--control] [--net]
-                                        [--pure-python] [--exact-only] [--own-time]
+                                        [--pure-python] [--own-time]
                                         [--parents none|sampled|unsampled]
                                         [--versus-spans-off]
 
@@ -376,10 +376,8 @@ def main() -> None:
     parser.add_argument("--control", action="store_true",
                         help="both schedulers without the plugin: the noise floor")
     parser.add_argument("--pure-python", action="store_true",
-                        help="the plugin without its C accelerator (as where it was not built)")
-    parser.add_argument("--exact-only", action="store_true",
-                        help="without the C accelerator, every step on the exact "
-                             "(per-request) path")
+                        help="the plugin without its C pass: every step on the exact "
+                             "(per-request) path, as where the C pass was not built")
     parser.add_argument("--net", action="store_true",
                         help="also run a control round beside each round and subtract "
                              "its mean")
@@ -403,17 +401,15 @@ def main() -> None:
     from otel_specdec import SpecDecodeInstrumentor, _accounting
     from otel_specdec.demo.tiny_model import build_tiny_model
 
-    if args.pure_python or args.exact_only:
+    if args.pure_python:
         _accounting.NATIVE_SCANNER = None
-    if args.exact_only:
-        _accounting.VECTORISE_FROM_BATCH = 10**9
 
     model_dir = str(build_tiny_model(Path(tempfile.mkdtemp()) / "target"))
     SpecDecodeInstrumentor().instrument(
         meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]),
         tracer_provider=_discarding_tracer_provider() if args.tracing else None)
-    accounting = ("exact path only" if args.exact_only else "pure Python"
-                  if _accounting.NATIVE_SCANNER is None else "C accelerator")
+    accounting = ("exact path (pure Python)" if _accounting.NATIVE_SCANNER is None
+                  else "C pass")
     sampler = os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on")
     print(f"request spans: {f'on ({sampler})' if args.tracing else 'off'}; "
           f"parents: {args.parents}; accounting: {accounting}"

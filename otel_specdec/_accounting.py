@@ -30,17 +30,14 @@ The rules (vLLM ``Scheduler.update_from_output`` and
 
 from __future__ import annotations
 
-import sys
 import time
-from collections import _count_elements  # type: ignore[attr-defined]
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from itertools import compress, filterfalse, repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Any
 
 from otel_specdec._instruments import REQUEST_RATE_BOUNDS
 from otel_specdec._request_details import DetailHandover, RequestDetails
-from otel_specdec._row_tallies import RowTallies
 from otel_specdec._totals import EMPTY_PROPOSALS, PADDING_TOKENS, STEP_COUNTS, SpecDecodeTotals
 from otel_specdec._vllm_compat import (
     CURRENT_RULES,
@@ -62,14 +59,12 @@ __all__ = [
 ]
 
 
-VECTORISE_FROM_BATCH = 32
 # Spilled tallies of requests that vanished without being freed are swept.
 _SWEEP_EVERY_STEPS = 4096
 # Released request ids are kept a few steps (see release); pruned this often,
 # on every path (the C pass is given the same interval).
 _PRUNE_FREED_EVERY_STEPS = 8
 
-_LAST = itemgetter(-1)
 _IS_ONE = (1).__eq__
 _STATUS = attrgetter("status")
 _NUM_OUTPUT_TOKENS = attrgetter("num_output_tokens")
@@ -88,6 +83,36 @@ class _Gone:
 _GONE = _Gone()
 
 
+class RequestTallies:
+    """Each request's (drafted, accepted) over its life, by request id: the
+    exact path's tallies where the C pass was not built (the C pass keeps
+    them by row, behind the same methods)."""
+
+    __slots__ = ("spilled",)
+
+    def __init__(self) -> None:
+        self.spilled: dict[str, tuple[int, int]] = {}
+
+    def add_spilled(self, req_id: str, drafted: int, accepted: int) -> None:
+        previous = self.spilled.get(req_id)
+        if previous is not None:
+            drafted += previous[0]
+            accepted += previous[1]
+        self.spilled[req_id] = (drafted, accepted)
+
+    def take(self, req_id: str) -> tuple[int, int]:
+        """Remove and return a request's tally."""
+        return self.spilled.pop(req_id, (0, 0))
+
+    def drop_missing(self, live: Mapping[str, object]) -> None:
+        """Forget the tallies of requests not in ``live`` (never freed)."""
+        for req_id in [r for r in self.spilled if r not in live]:
+            del self.spilled[req_id]
+
+    def clear(self) -> None:
+        self.spilled.clear()
+
+
 class StepAccountant:
     """Per-scheduler accounting: feeds one ``SpecDecodeTotals`` each step.
 
@@ -96,17 +121,15 @@ class StepAccountant:
     construction (the C pass where it was built) and per step (a step the C
     pass declines goes to the Python paths).
 
-    Three paths compute the same numbers. The exact path is a Python loop
-    that follows vLLM's own loop request by request; it serves every unusual
-    step (grammar-invalidated drafts, failed KV loads, stale output after a
-    preemption, several sampled tokens per step, outputs not in row order).
-    Where the optional C
-    accelerator was built, every other step is taken by ``step_fast``
+    Two paths compute the same numbers. The exact path is a Python loop
+    that follows vLLM's own loop request by request: it is the reference,
+    serves every unusual step (grammar-invalidated drafts, failed KV loads,
+    stale output after a preemption, several sampled tokens per step,
+    outputs not in row order) and every step where the C pass was not built.
+    Where it was built, every other step is taken by ``step_fast``
     (``_rowscan.Scanner.step``: one call per step, which reads the step's
     inputs, passes over the rows once with tallies kept by row in C arrays,
-    and adds to the totals itself). Without it, the common step of a large batch
-    takes the pure-Python vectorised path (builtin passes over
-    ``RowTallies``) and small batches the exact path.
+    and adds to the totals itself).
 
     Finished requests are released in bulk (``release``) from vLLM's own
     sets of freed requests: each tally becomes one per-request rate.
@@ -114,14 +137,12 @@ class StepAccountant:
     With request spans on (``details``: the span worker's hand-over), the
     per-request detail a span needs is kept where the counts are: by the C
     pass in its rows, by the exact path in the C pass's store (or in
-    ``RequestDetails`` without it); the pure-Python vectorised path keeps
-    none, so without the C pass spans put every step on the exact path.
+    ``RequestDetails`` without it).
     """
 
     __slots__ = (
         "totals",
         "fields",
-        "vectorise_from",
         "step_fast",
         "end_step",
         "_requests",
@@ -133,14 +154,11 @@ class StepAccountant:
         "_check_stale",
         "_stale_tokens",
         "_stale_drop_flag",
-        "_stale_of",
         "_skip_finished",
         "_finished_above",
         "_freed",
         "_freed_keep_steps",
-        "_prev_sampled",
         "_step",
-        "_vectorised_steps",
         "_details",
         "_add_detail",
         "_handover",
@@ -163,18 +181,15 @@ class StepAccountant:
         # The running vLLM's step fields (None: absent) and counting rules.
         self.fields = fields
         self._skip_finished = rules.skips_finished
-        # Batches smaller than this take the exact path (the vectorised
-        # path's fixed cost per step outweighs the loop there).
-        self.vectorise_from = VECTORISE_FROM_BATCH
         # A released request's id is remembered while steps scheduled before
         # it was freed can still arrive, and while it can still be in one of
         # vLLM's sets of freed requests (two schedules).
         self._freed_keep_steps = steps_in_flight + 3
         self._requests = requests
         # The C pass (one pass per step, tallies by row) where it was built;
-        # otherwise the vectorised path's builtin passes over RowTallies.
+        # otherwise the exact path's tallies by request.
         self._scanner: Any = None
-        self._tallies: Any = RowTallies(totals.num_speculative_tokens)
+        self._tallies: Any = RequestTallies()
         if NATIVE_SCANNER is not None and type(requests) is dict:
             # A release that counts finished requests still in the table
             # (rules.skips_finished false) needs each row looked up there,
@@ -203,8 +218,6 @@ class StepAccountant:
         # request is preempted (async scheduling, pipeline parallelism).
         self._stale_tokens = fields.stale_tokens
         self._stale_drop_flag = rules.stale_drop_flag
-        # Built once: the vectorised path reads it over the batch each step.
-        self._stale_of = attrgetter(self._stale_tokens) if self._stale_tokens else None
         self._stale_possible = steps_in_flight > 0 and self._stale_tokens is not None
         self._check_stale: bool | None = None
         # Statuses above this are finished (see _vllm_compat); None: ask the request.
@@ -212,10 +225,7 @@ class StepAccountant:
         # req_id -> step at which it was freed. A freed request can still be in
         # a step that was in flight; vLLM skips it there, so must we.
         self._freed: dict[str, int] = {}
-        # Sampled tokens per row in the previous step, when it was vectorised.
-        self._prev_sampled: list[int] | None = None
         self._step = 0
-        self._vectorised_steps = 0
         # Request detail for spans: the C pass keeps it (the exact path adds
         # a Python-path step's to its store); without it, RequestDetails,
         # fed by the exact path only.
@@ -229,7 +239,6 @@ class StepAccountant:
             else:
                 self._details = RequestDetails(totals, details)
                 self._add_detail = self._details.add
-                self.vectorise_from = sys.maxsize
         # What account_step and end_step use each step: the C pass's step
         # (None: observe_step), and release or the C pass's own.
         fast = scanner is not None and num_sampled_per_step == 1
@@ -291,7 +300,6 @@ class StepAccountant:
         req_id_to_index: Mapping[str, int],
         invalid_spec_tokens: Mapping[str, int] | None = None,
         skip_ids: Iterable[str] | None = None,
-        req_ids: Sequence[str] | None = None,
         released_ids: Collection[str] | None = None,
     ) -> None:
         """Account one scheduler step, from the step's inputs only.
@@ -310,33 +318,15 @@ class StepAccountant:
             if scanner is not None:
                 scanner.check_stale = self._check_stale
         skip = set(skip_ids) if skip_ids else None
-        empty = None
-        vectorise = (
-            req_ids is not None
-            and len(req_ids) >= self.vectorise_from
-            and not invalid_spec_tokens
-            and self._num_sampled == 1
-            and sampled_token_ids
-        )
         if released_ids:
             self.release(released_ids)
-        if scanner is None and vectorise:
-            empty = self._observe_vectorised(
-                spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index,
-                req_ids, skip,
+        if spec_tokens:
+            self._observe_exact(
+                spec_tokens, sampled_token_ids, req_id_to_index, invalid_spec_tokens, skip
             )
-        if empty is None:
-            self._prev_sampled = None
-            if spec_tokens:
-                self._observe_exact(
-                    spec_tokens, sampled_token_ids, req_id_to_index, invalid_spec_tokens, skip
-                )
-        else:
-            self._vectorised_steps += 1
-        if empty is None or empty < 0:
-            empty = self._count_empty_proposals(
-                spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index
-            )
+        empty = self._count_empty_proposals(
+            spec_tokens, num_scheduled_tokens, sampled_token_ids, req_id_to_index
+        )
         if empty:
             self.totals.step_counts[EMPTY_PROPOSALS] += empty
         if self._step % _PRUNE_FREED_EVERY_STEPS == 0 and self._freed:
@@ -416,154 +406,6 @@ class StepAccountant:
         if padding:
             totals.step_counts[PADDING_TOKENS] += padding
 
-    def _observe_vectorised(
-        self,
-        spec_tokens: Mapping[str, Sequence[int]],
-        num_scheduled_tokens: Mapping[str, int],
-        sampled_token_ids: Sequence[Sequence[int]],
-        row_of: Mapping[str, int],
-        rows: Sequence[str],
-        skip: set[str] | None,
-    ) -> int | None:
-        """The common step, in row space.
-
-        Returns the step's empty proposals (-1: count them the general way),
-        or None when it declined the step and counted nothing (then the exact
-        path runs).
-
-        Each pass over the batch is one C-level builtin (``map``, ``sum``,
-        ``compress``, counting); Python-level work is spent only on the few
-        rows that need a correction.
-        """
-        n = len(rows)
-        if (
-            len(sampled_token_ids) != n
-            or row_of.get(rows[0]) != 0
-            or row_of.get(rows[-1]) != n - 1
-        ):
-            return None  # outputs not in row order: not a layout this path knows
-        requests = self._requests
-        if self._check_stale and any(
-            map(self._stale_of, map(requests.get, spec_tokens, repeat(_GONE)))
-        ):
-            return None  # a preempted request's in-flight output: rare, exact path
-        if self._freed:
-            gone = [r for r in self._freed if r in spec_tokens]
-            if gone:
-                skip = skip.union(gone) if skip else set(gone)
-
-        totals = self.totals
-        k = totals.num_speculative_tokens
-        rows = rows if isinstance(rows, list) else list(rows)
-        sampled = list(map(len, sampled_token_ids))
-        full = len(spec_tokens) == n and sum(map(len, spec_tokens.values())) == n * k
-        drafted = None if full else list(map(len, map(spec_tokens.get, rows, repeat(()))))
-        # Rows that are not verified drafts, with their sampled and drafted counts:
-        # rows with no output, and skipped rows (a request freed or failed).
-        unverified: dict[int, tuple[int, int]] = {}
-        if 0 in sampled:
-            for row in _indices(sampled, 0):
-                unverified[row] = (0, k if drafted is None else drafted[row])
-        if skip:
-            for req_id in skip:
-                row = row_of.get(req_id)
-                if row is not None and row < n and row not in unverified:
-                    unverified[row] = (sampled[row], k if drafted is None else drafted[row])
-        padding = self._padding(spec_tokens, row_of, unverified) if self._track_padding else 0
-
-        accepted_counts: dict[int, int] = {}
-        _count_elements(accepted_counts, sampled)
-        if drafted is None:
-            drafted_counts = {k: n}
-        else:
-            drafted_counts = {}
-            _count_elements(drafted_counts, drafted)
-            # Rows without a draft sampled one token (none if prefilling): not drafts.
-            no_draft = drafted.count(0) - sum(
-                1 for row, (s, d) in unverified.items() if not s and not d
-            )
-            if no_draft:
-                accepted_counts[1] = accepted_counts.get(1, 0) - no_draft
-        tallies = self._tallies
-        changed = tallies.align(rows, row_of)
-        tallies.add_step(sampled, drafted)
-        for row, (row_sampled, row_drafted) in unverified.items():
-            # Undo this step's contribution: the row was not a verified draft.
-            tallies.correct(row, 1 - row_sampled, -row_drafted)
-            if row_drafted:
-                drafted_counts[row_drafted] -= 1
-                if row_sampled:
-                    accepted_counts[row_sampled] -= 1
-        accepted_counts.pop(0, None)
-        drafted_counts.pop(0, None)
-        # Sampled s tokens on a draft: s - 1 accepted.
-        _add_counts(totals, totals.accepted_hist, [(s - 1, c) for s, c in accepted_counts.items()])
-        _add_counts(totals, totals.drafted_hist, drafted_counts.items())
-        if padding:
-            totals.step_counts[PADDING_TOKENS] += padding
-        # Every row drafted k tokens: no row was scheduled for one token alone.
-        empty = 0 if drafted is None else self._empty_in_rows(
-            num_scheduled_tokens, rows, changed, unverified
-        )
-        self._prev_sampled = sampled
-        return empty
-
-    def _empty_in_rows(
-        self,
-        num_scheduled_tokens: Mapping[str, int],
-        rows: list[str],
-        changed: list[int] | None,
-        unverified: Mapping[int, Any],
-    ) -> int:
-        """Empty proposals from the rows: one scheduled token (so no draft) and output.
-
-        A row counts when its request is decoding. A row whose owner is the
-        same as in the previous step, when it had output, is decoding; only
-        the other rows (new owners, previous step without output, rows not
-        verified) are looked up. -1: no previous step to compare with.
-        """
-        previous = self._prev_sampled
-        if changed is None or previous is None:
-            return -1
-        scheduled = list(map(num_scheduled_tokens.__getitem__, rows))
-        empty = scheduled.count(1)
-        if not empty:
-            return 0
-        suspects = set(changed).union(unverified)
-        if 0 in previous:
-            suspects.update(_indices(previous, 0))
-        requests = self._requests
-        n = len(rows)
-        for row in suspects:
-            if row >= n or scheduled[row] != 1:
-                continue
-            if row in unverified:  # no output, or a request vLLM skips
-                empty -= 1
-                continue
-            if not is_decoding(requests.get(rows[row])):
-                empty -= 1
-        return empty
-
-    @staticmethod
-    def _padding(
-        spec_tokens: Mapping[str, Sequence[int]],
-        row_of: Mapping[str, int],
-        unverified: Mapping[int, Any],
-    ) -> int:
-        """-1 sentinels in verified drafts (they sit at the end of a draft)."""
-        if not spec_tokens:
-            return 0
-        try:
-            if min(map(_LAST, spec_tokens.values())) >= 0:
-                return 0
-        except IndexError:
-            pass  # an empty draft list: look at each one
-        padding = 0
-        for req_id, drafts in spec_tokens.items():
-            if drafts and drafts[-1] < 0 and row_of.get(req_id) not in unverified:
-                padding += drafts.count(-1)
-        return padding
-
     def _prune_freed(self) -> None:
         oldest = self._step - self._freed_keep_steps
         freed = self._freed
@@ -631,11 +473,10 @@ class StepAccountant:
             self._details.release(request_ids)
 
     def _release_rows(self, request_ids: Collection[str]) -> None:
-        """``release`` over ``RowTallies``.
+        """``release`` over ``RequestTallies`` (no C pass).
 
         Released ids are kept a few steps: a request in more than one of
-        vLLM's sets is counted once, and the vectorised path skips those
-        still in a step that was in flight, as vLLM does.
+        vLLM's sets is counted once.
         """
         freed = self._freed
         new = set(request_ids).difference(freed)
@@ -649,8 +490,7 @@ class StepAccountant:
     def steps_by_path(self) -> dict[str, int]:
         """Steps each accounting path took (for tests and benchmarks)."""
         native = self._scanner.native_steps if self._scanner is not None else 0
-        return {"native": native, "vectorised": self._vectorised_steps,
-                "exact": self._step - self._vectorised_steps}
+        return {"native": native, "exact": self._step}
 
     def held_state(self) -> dict[str, int]:
         """Sizes of what the accountant keeps between steps (for the memory benchmark)."""
@@ -663,7 +503,7 @@ class StepAccountant:
         else:
             span_details = len(self._details) if self._details is not None else 0
         return {
-            "rows": len(tallies.owners),
+            "rows": len(scanner.owners) if scanner is not None else 0,
             "tallies_spilled": len(tallies.spilled),
             "released_ids": len(released),
             "span_details": span_details,
@@ -674,21 +514,8 @@ class StepAccountant:
     def forget_requests(self) -> None:
         self._tallies.clear()
         self._freed.clear()
-        self._prev_sampled = None
         if self._details is not None:
             self._details.clear()
-
-
-def _indices(values: list[int], value: int) -> Iterator[int]:
-    """Positions of ``value`` in ``values`` (C-level search between hits)."""
-    start = 0
-    try:
-        while True:
-            start = values.index(value, start)
-            yield start
-            start += 1
-    except ValueError:
-        return
 
 
 def _add_counts(

@@ -435,7 +435,7 @@ def is_decoding(request: Any) -> bool:
 
 def step_inputs(
     scheduler_output: Any, model_runner_output: Any, fields: StepFields
-) -> tuple[Any, Any, Any, Any, Any, Any, Any, Any]:
+) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
     """The arguments of ``StepAccountant.observe_step`` for one call.
 
     ``fields``: the running vLLM's (``host_layout().fields``); an absent
@@ -460,7 +460,6 @@ def step_inputs(
         row_of,
         getattr(scheduler_output, f.invalid_spec_tokens, None) if f.invalid_spec_tokens else None,
         set(failed) if failed else None,
-        rows,
         getattr(scheduler_output, f.finished_ids, None) if f.finished_ids else None,
     )
 

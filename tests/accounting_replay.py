@@ -107,8 +107,6 @@ def _account(steps: list[tuple[Any, Any, set[str]]], native: bool) -> dict[str, 
     table: Any = requests if native else types.MappingProxyType(requests)
     accountant = _accounting.StepAccountant(totals, table, steps_in_flight=0,
                                             finished_above=RUNNING)
-    if not native:
-        accountant.vectorise_from = sys.maxsize  # every step on the exact path
     for scheduler_output, runner_output, finished in steps:
         for req_id in getattr(runner_output, STEP_FIELDS.rows):
             requests.setdefault(req_id, _Request(req_id))

@@ -3,9 +3,9 @@
 Each test drives vLLM's own ``Scheduler`` (see ``scheduler_harness``) and
 compares what the plugin exported with vLLM's own ``SpecDecodingStats`` for
 the same steps, and with expectations computed from the test's own plan.
-Every test runs through each accounting path: the exact (per-request) one,
-the pure-Python vectorised one and the C pass, and checks that the path it
-names took steps (unusual steps go to the exact path on every path).
+Every test runs through both accounting paths: the exact (per-request) one
+and the C pass, and checks that the path it names took steps (unusual steps
+go to the exact path on both).
 """
 
 from __future__ import annotations
@@ -63,18 +63,15 @@ def assert_matches_vllm_per_request(harness: SchedulerHarness, data, requests: i
     assert point.sum == pytest.approx(sum(rates))
 
 
-@pytest.fixture(params=["exact", "vectorised", "native"])
+@pytest.fixture(params=["exact", "native"])
 def accounting_path(request, monkeypatch) -> Iterator[str]:
-    """Run each test through every accounting path (they must agree with vLLM).
+    """Run each test through both accounting paths (they must agree with vLLM).
 
-    "vectorised" is the pure-Python batch path, "native" the C pass
-    (``_rowscan``), which every CI install builds.
+    "exact" is the Python loop (as where the C pass was not built), "native"
+    the C pass (``_rowscan``), which every CI install builds.
     """
     from otel_specdec import _accounting
 
-    monkeypatch.setattr(
-        _accounting, "VECTORISE_FROM_BATCH", 10**9 if request.param == "exact" else 1
-    )
     if request.param == "native":
         assert _accounting.NATIVE_SCANNER is not None, "the C accelerator was not built"
     else:
@@ -91,11 +88,10 @@ def accounting_path(request, monkeypatch) -> Iterator[str]:
     # The path under test took the steps (a path that declined every step
     # would leave the others to pass the test alone).
     steps = {path: sum(a.steps_by_path()[path] for a in accountants)
-             for path in ("exact", "vectorised", "native")}
+             for path in ("exact", "native")}
     if not any(steps.values()):
         return  # no step was accounted (a test skipped on this release)
     assert steps[request.param] > 0, steps
-    assert all(n == 0 for path, n in steps.items() if path not in ("exact", request.param)), steps
 
 
 @pytest.fixture
@@ -556,8 +552,8 @@ def _churn_stream(harness: SchedulerHarness) -> None:
 
 def test_one_stream_gives_identical_totals_through_every_implementation(tiny_model, reader,
                                                                        monkeypatch):
-    # The same stream through the exact path (the reference), the pure-Python
-    # vectorised path and the C pass: every total, empty proposals, padding
+    # The same stream through the exact path (the reference) and the C pass:
+    # every total, empty proposals, padding
     # and the per-request rate histogram (buckets, sum, min, max) agree
     # exactly, and each took its own path.
     from otel_specdec import _accounting
@@ -565,10 +561,8 @@ def test_one_stream_gives_identical_totals_through_every_implementation(tiny_mod
     native = _accounting.NATIVE_SCANNER
     assert native is not None, "the C accelerator was not built"
     results = {}
-    for path, scanner, vectorise_from in (("exact", None, 10**9), ("vectorised", None, 1),
-                                          ("native", native, 1)):
+    for path, scanner in (("exact", None), ("native", native)):
         monkeypatch.setattr(_accounting, "NATIVE_SCANNER", scanner)
-        monkeypatch.setattr(_accounting, "VECTORISE_FROM_BATCH", vectorise_from)
         harness = SchedulerHarness(build_scheduler(tiny_model, K, served_model_name=path))
         _churn_stream(harness)
         accountant = harness.scheduler.__dict__["_otel_specdec_accountant"][1]
@@ -580,7 +574,7 @@ def test_one_stream_gives_identical_totals_through_every_implementation(tiny_mod
     reference = results["exact"]
     assert reference[0].accepted_hist[1:] and sum(reference[0].rate_buckets) > 30
     assert reference[0].empty_proposals > 0 and reference[0].padding_tokens > 0
-    for path in ("vectorised", "native"):
+    for path in ("native",):
         snapshot = results[path][0]
         # The C pass adds a step's rates to the sum at once: the float sum
         # may differ in its last bits from the one-by-one sum.

@@ -170,7 +170,7 @@ def test_x86_64_wheel_installed_without_a_compiler_counts_a_real_engine_in_c(
     assert len(reports) == 1, shutdown_evidence(result, store)
     assert Path(reports[0]["c_pass"]) == installed
     steps = reports[0]["steps"]
-    assert steps["native"] > 0 and steps["vectorised"] == 0, steps
+    assert steps["native"] > 0, steps
 
 
 def _arm64_root() -> Path:

@@ -96,8 +96,7 @@ def span_path(request, monkeypatch) -> Iterator[str]:
     monkeypatch.setattr(_accounting.StepAccountant, "__init__", recording_init)
     yield request.param
     steps = {path: sum(a.steps_by_path()[path] for a in accountants)
-             for path in ("exact", "vectorised", "native")}
-    assert steps["vectorised"] == 0, steps
+             for path in ("exact", "native")}
     assert (steps["native"] > 0) == (request.param != "exact"), steps
     assert (steps["exact"] > 0) == (request.param != "native"), steps
 
@@ -199,10 +198,8 @@ def test_requests_without_context_follow_the_sampler(tiny_model, traced):
     assert {e.trace_id for e in point.exemplars} <= {s.context.trace_id for s in spans}
 
 
-def test_no_span_and_the_vectorised_path_without_the_switch(tiny_model, reader):
+def test_no_span_without_the_switch(tiny_model, reader):
     harness = SchedulerHarness(build_scheduler(tiny_model, K))
-    accountant = harness.scheduler.__dict__["_otel_specdec_accountant"][1]
-    assert accountant.vectorise_from < 10**6
     run(harness, 3, steps=6)
     runtime = _runtime.current()
     assert runtime is not None and runtime.spans is None
