@@ -50,7 +50,7 @@ from otel_specdec._vllm_compat import (
 
 try:
     from otel_specdec._rowscan import Scanner as NATIVE_SCANNER
-except ImportError:  # built without a C compiler: the pure-Python paths serve
+except ImportError:  # built without a C compiler: the exact path serves
     NATIVE_SCANNER = None
 
 __all__ = [
@@ -119,7 +119,7 @@ class StepAccountant:
     The patch calls two methods: ``account_step`` before the host's update
     and ``end_step`` after it. Everything else is chosen here, once, at
     construction (the C pass where it was built) and per step (a step the C
-    pass declines goes to the Python paths).
+    pass declines goes to the exact path).
 
     Two paths compute the same numbers. The exact path is a Python loop
     that follows vLLM's own loop request by request: it is the reference,
@@ -254,7 +254,7 @@ class StepAccountant:
         ``freed``: the scheduler's requests freed since the step's schedule.
         The C pass takes the step where it can (True: done; a tuple: done
         but for rows it leaves to Python; None: declined, nothing changed);
-        otherwise the Python paths take it from the step's inputs.
+        otherwise the exact path takes it from the step's inputs.
         """
         step_fast = self.step_fast
         if step_fast is not None:

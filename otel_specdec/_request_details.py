@@ -71,7 +71,7 @@ class DetailHandover:
         self._said = False
 
     def offer(self, item: tuple[Any, ...]) -> None:
-        """The Python paths' append (the C pass appends to ``items`` itself)."""
+        """The exact path's append (the C pass appends to ``items`` itself)."""
         if len(self.items) < self.limit:
             self.items.append(item)
         else:

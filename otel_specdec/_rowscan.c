@@ -17,7 +17,7 @@
  * of it runs under the GIL.
  *
  * Optional: without a C compiler the package installs without it and
- * _accounting.py uses its pure-Python paths. _accounting.py documents the
+ * _accounting.py uses its exact path. _accounting.py documents the
  * rules; this file follows them.
  */
 #define PY_SSIZE_T_CLEAN
