@@ -11,7 +11,7 @@ from pathlib import Path
 
 import certifi
 import pytest
-from engine_child import run_in_child
+from engine_child import run_in_child, shutdown_evidence, with_child_site
 from fault_helpers import (
     ApiServer,
     EngineChild,
@@ -49,9 +49,13 @@ def assert_nothing_from_requests(store: MetricsStore, prompts: list[str]) -> Non
         assert not any(p[:20] in values for p in prompts)
 
 
-def wait_for_totals(store: MetricsStore, expected: dict, timeout: float = 20) -> None:
+def wait_for_totals(store: MetricsStore, expected: dict, timeout: float = 20,
+                    result: dict | None = None) -> None:
+    """The received totals reach ``expected``; else the child's shutdown
+    evidence (``result``: its run, started ``with_child_site``) is shown."""
     reached = store.wait_for(lambda: store.spec_decode_totals() == expected, timeout)
-    assert reached, (store.spec_decode_totals(), expected)
+    evidence = shutdown_evidence(result, store) if result is not None else ""
+    assert reached, (store.spec_decode_totals(), expected, evidence)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
@@ -100,11 +104,12 @@ def test_last_interval_is_flushed_when_the_llm_goes(tiny_model, drop, multiproce
     with OtlpReceiver() as receiver:
         result = run_in_child(
             {"model": tiny_model, "speculative_config": NGRAM, "drop": drop},
-            clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint("grpc"),
-                      OTEL_METRIC_EXPORT_INTERVAL="600000",
-                      VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing), timeout=420)
+            with_child_site(clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint("grpc"),
+                                      OTEL_METRIC_EXPORT_INTERVAL="600000",
+                                      VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing)),
+            timeout=420)
         assert result["vllm"]["drafts"] > 0
-        wait_for_totals(receiver.store, result["vllm"], timeout=10)
+        wait_for_totals(receiver.store, result["vllm"], timeout=10, result=result)
 
 
 def test_final_export_precedes_the_executor_teardown(tiny_model):
