@@ -561,8 +561,9 @@ prefetch_object(const void *obj)
  * headers dict, its key table, the traceparent string): read one request
  * after another, the CPU waits for every link in turn. Taken a link at a
  * time across all the queued requests, with the next link prefetched,
- * the waits overlap (docs/performance.md (e)). Same answers as
- * keeps_detail. */
+ * the waits overlap (docs/performance.md (e)); the key table, behind the
+ * dict, is not prefetched (the limited API does not expose it). Same
+ * answers as keeps_detail. */
 static int
 decide_pending(Scanner *self)
 {
