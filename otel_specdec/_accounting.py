@@ -30,6 +30,7 @@ The rules (vLLM ``Scheduler.update_from_output`` and
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from itertools import compress, filterfalse, repeat
@@ -197,8 +198,9 @@ class StepAccountant:
             # With steps in flight a row's request can be finished and still
             # in the table (a KV connector delaying its free): skipped, as
             # vLLM skips it, where the rules say so.
-            # With request spans on it keeps their detail too, for the
-            # requests the sampling plan keeps, and hands it over itself.
+            # With request spans on it keeps their detail too, in its rows;
+            # the hand-over decides which requests keep it and takes what
+            # finished requests kept (once per call, where there are any).
             self._scanner = self._tallies = NATIVE_SCANNER(
                 totals, requests, REQUEST_RATE_BOUNDS, fields._asdict(), STEP_COUNTS,
                 track_padding=track_padding,
@@ -207,8 +209,8 @@ class StepAccountant:
                 keep_steps=self._freed_keep_steps, prune_every=_PRUNE_FREED_EVERY_STEPS,
                 sweep_every=_SWEEP_EVERY_STEPS,
                 **({} if details is None else {
-                    "detail_plan": details.plan.as_dict(), "handover": details.items,
-                    "handover_limit": details.limit, "on_drop": details.note_drop}),
+                    "detail_decide": None if details.plan.keeps_all() else details.decide,
+                    "detail_release": functools.partial(details.hand_over, totals)}),
             )
         self._num_sampled = num_sampled_per_step
         # Under async scheduling every scheduled draft is a -1 placeholder,

@@ -9,12 +9,16 @@ That detail is kept where the counts are: by the C pass in its rows (see
 was not built. Only requests whose span can be sampled keep it (the
 sampling plan, ``_span_sampling``).
 
-A finished request's detail is one tuple on the ``DetailHandover`` list,
-appended on the scheduler's thread (by C, or here) and taken by the span
-worker thread: ``(totals, trace_headers, status, first_ns, end_ns,
-packed_counts)`` (``pack_counts``: one bytes object, as the C pass builds it
-in one allocation). The list is bounded: a detail that does
-not fit is dropped and the first drop is logged.
+``DetailHandover`` is the one place where each request's part is done, for
+both paths: which requests keep detail (``decide``, the sampling plan) and
+the hand-over of finished requests' detail (``hand_over``, given ``(request,
+first_ns, packed_counts)`` per request, by the C pass once per call). A
+finished request's detail is one tuple on its list, appended on the
+scheduler's thread and taken by the span worker thread: ``(totals,
+trace_headers, status, first_ns, end_ns, packed_counts)`` (``pack_counts``:
+one bytes object, as the C pass builds it in one allocation). The list is
+bounded: a detail that does not fit is dropped and the first drop is
+logged.
 """
 
 from __future__ import annotations
@@ -56,29 +60,42 @@ def unpack_counts(packed: bytes) -> tuple[list[int], list[int]]:
 
 
 class DetailHandover:
-    """Finished requests' detail, from the scheduler's thread to the span worker.
+    """Which requests keep detail, and finished requests' detail, from the
+    scheduler's thread to the span worker.
 
     Appends and takes are single list operations under the GIL; the worker
     takes what is there and leaves what is appended meanwhile.
     """
 
-    __slots__ = ("items", "limit", "plan", "_said")
+    __slots__ = ("items", "limit", "plan", "dropped", "_said")
 
     def __init__(self, plan: SamplingPlan, limit: int) -> None:
         self.items: list[tuple[Any, ...]] = []
         self.limit = limit
         self.plan = plan
+        self.dropped = 0
         self._said = False
 
-    def offer(self, item: tuple[Any, ...]) -> None:
-        """The exact path's append (the C pass appends to ``items`` itself)."""
-        if len(self.items) < self.limit:
-            self.items.append(item)
-        else:
-            self.note_drop()
+    def decide(self, requests: Sequence[Any]) -> list[bool]:
+        """For each request, whether the plan keeps its detail (by its trace context)."""
+        keeps = self.plan.keeps
+        return [keeps(getattr(request, "trace_headers", None)) for request in requests]
 
-    def note_drop(self) -> None:
-        """A detail did not fit: said once per process."""
+    def hand_over(self, totals: Any, released: Sequence[tuple[Any, int, bytes]]) -> None:
+        """Finished requests' ``(request, first_ns, packed_counts)``, stamped
+        with their end and appended for the span worker while there is room."""
+        end_ns = time.time_ns()
+        items = self.items
+        room = self.limit - len(items)
+        for request, first_ns, packed in released[:max(room, 0)]:
+            items.append((totals, getattr(request, "trace_headers", None),
+                          getattr(request, "status", None), first_ns, end_ns, packed))
+        if len(released) > room:
+            self._note_drops(len(released) - max(room, 0))
+
+    def _note_drops(self, count: int) -> None:
+        """Details that did not fit: counted, and said once per process."""
+        self.dropped += count
         if not self._said:
             self._said = True
             _logger.warning("otel_specdec: more than %d finished requests wait for their span; "
@@ -137,16 +154,14 @@ class RequestDetails:
     def release(self, request_ids: Iterable[str]) -> None:
         """Finished requests: their detail goes to the span worker."""
         by_id = self._by_id
+        released = []
         for req_id in request_ids:
             detail = by_id.pop(req_id, None)
-            if detail is None or not any(detail.accepted):
-                continue
-            request = detail.request
-            self._handover.offer((
-                self._totals, getattr(request, "trace_headers", None),
-                getattr(request, "status", None), detail.first_ns, time.time_ns(),
-                pack_counts(detail.accepted, detail.drafted),
-            ))
+            if detail is not None and any(detail.accepted):
+                released.append((detail.request, detail.first_ns,
+                                 pack_counts(detail.accepted, detail.drafted)))
+        if released:
+            self._handover.hand_over(self._totals, released)
 
     def drop_missing(self, live: Mapping[str, object]) -> None:
         for req_id in [r for r in self._by_id if r not in live]:

@@ -50,11 +50,6 @@ static const char *const field_roles[N_FIELDS] = {
  * names it is given (_totals.STEP_COUNTS) against these. */
 enum { COUNT_EMPTY, COUNT_PADDING, N_COUNTS };
 static const char *const count_roles[N_COUNTS] = {"empty_proposals", "padding_tokens"};
-/* Which requests' detail is kept with request spans on, by their trace
- * context (_span_sampling.SamplingPlan, checked by name): no parent, a
- * sampled parent, an unsampled parent. */
-enum { PLAN_ROOT, PLAN_SAMPLED_PARENT, PLAN_UNSAMPLED_PARENT, N_PLAN };
-static const char *const plan_roles[N_PLAN] = {"root", "sampled_parent", "unsampled_parent"};
 
 /* CPython keeps one object for each small int (the C API's documented
  * behaviour for -5..256, on every version): every -1 that the interpreter,
@@ -70,7 +65,7 @@ static PyObject *minus_one;
         (dst) = (src);                 \
         Py_XDECREF(old_);              \
     } while (0)
-static PyObject *str_status, *str_is_finished, *str_trace_headers, *str_traceparent;
+static PyObject *str_status, *str_is_finished;
 
 typedef struct {
     PyObject_HEAD
@@ -109,24 +104,21 @@ typedef struct {
     /* Per-request detail for request spans (detail 0: spans off, none kept;
      * see "Request detail" below). */
     int detail;
-    int keep[N_PLAN];       /* the sampling plan: keep detail for this kind of request */
+    PyObject *decide;       /* the sampling plan (_request_details.DetailHandover.decide):
+                             * requests -> keep each one's detail; None: keep all */
     Py_ssize_t dsize;       /* entries of a request's histogram: k + 1 */
     long long *det;         /* per row: accepted-length then drafted-length counts */
     long long *first_ns;    /* per row: time of the owner's first verified draft there (0: none) */
     signed char *want;      /* per row: keep the owner's detail: -1 not decided yet */
     PyObject **det_req;     /* per row: the owner's Request where detail is kept */
     /* Rows whose new owner's decision waits for the end of the pass
-     * (decide_pending), with room for the chain each one reads. */
+     * (decide_pending). */
     Py_ssize_t *pending;
     PyObject **pending_req; /* borrowed from the scheduler's table, for the pass */
-    PyObject **pending_link; /* owned: the current link of each chain */
     Py_ssize_t n_pending;
     PyObject *det_spilled;  /* dict: req_id -> [request, first_ns, acc list, drf list] */
-    PyObject *handover;     /* list: finished requests' detail, taken by the span worker */
-    Py_ssize_t handover_limit;
-    PyObject *on_drop;      /* called once, at the first detail the full list refuses */
-    long long dropped;      /* details refused by the full list */
-    PyObject *totals;       /* handed over with each detail */
+    PyObject *to_release;   /* list: this call's finished requests' detail */
+    PyObject *on_release;   /* takes that list at the end of the call (the hand-over) */
 } Scanner;
 
 typedef struct {
@@ -237,10 +229,12 @@ spill(Scanner *self, PyObject *req_id, long long drafted, long long accepted)
  * verified draft. They are kept where its tally is: by row in C arrays,
  * moved to det_spilled when the request leaves its row (or a draft is too
  * long for the row's counts, or a Python-path step adds one), and summed
- * when it is released. Only for requests whose span can be sampled (the
- * sampling plan, decided once per request and row from its trace
- * context); a finished request's detail goes to the hand-over list, which
- * a worker thread empties, and is dropped when the list is full. */
+ * when it is released. Only for requests whose span can be sampled: the
+ * sampling plan, which reads the trace context, is the Python side's
+ * (decide, called once per step for the requests it first schedules). A
+ * finished request's detail is queued and passed, once per call, to the
+ * Python side's hand-over (on_release), which bounds it and gives it to
+ * the span worker. */
 
 static PyObject *field(PyObject *obj, PyObject *name);
 static int bump(PyObject *list, Py_ssize_t i, long long delta);
@@ -259,125 +253,38 @@ row_detail(Scanner *self, Py_ssize_t i)
     return self->det + i * 2 * self->dsize;
 }
 
-static int
-hex_digit(char c)
-{
-    if (c >= '0' && c <= '9')
-        return c - '0';
-    if (c >= 'a' && c <= 'f')
-        return c - 'a' + 10;
-    return -1;
-}
-
-/* A W3C traceparent value, checked as the SDK's propagator checks it
- * (lower-case hex, non-zero ids, version ff invalid, nothing after a
- * version 00 value): 1 and *sampled set, or 0 (not a valid parent). */
-static int
-parse_traceparent(const char *s, Py_ssize_t n, int *sampled)
-{
-    static const int widths[4] = {2, 32, 16, 2};
-    const char *part[4];
-    while (n > 0 && (*s == ' ' || (*s >= '\t' && *s <= '\r')))
-        s++, n--;
-    while (n > 0 && (s[n - 1] == ' ' || (s[n - 1] >= '\t' && s[n - 1] <= '\r')))
-        n--;
-    if (n < 55 || (n > 55 && s[55] != '-'))
-        return 0;
-    Py_ssize_t pos = 0;
-    for (int f = 0; f < 4; f++) {
-        part[f] = s + pos;
-        for (int j = 0; j < widths[f]; j++)
-            if (hex_digit(s[pos + j]) < 0)
-                return 0;
-        pos += widths[f];
-        if (f < 3 && s[pos++] != '-')
-            return 0;
-    }
-    if (part[0][0] == 'f' && part[0][1] == 'f')
-        return 0;
-    if (part[0][0] == '0' && part[0][1] == '0' && n != 55)
-        return 0;
-    int nonzero = 0;
-    for (int j = 0; j < 32; j++)
-        nonzero |= part[1][j] != '0';
-    if (!nonzero)
-        return 0;
-    nonzero = 0;
-    for (int j = 0; j < 16; j++)
-        nonzero |= part[2][j] != '0';
-    if (!nonzero)
-        return 0;
-    *sampled = hex_digit(part[3][1]) & 1;
-    return 1;
-}
-
-static inline int
-keeps_all(const Scanner *self)
-{
-    return self->keep[PLAN_ROOT] && self->keep[PLAN_SAMPLED_PARENT] &&
-           self->keep[PLAN_UNSAMPLED_PARENT];
-}
-
-/* headers["traceparent"] (a new reference), or NULL without an error
- * where there is none (headers None or without it). */
+/* The sampling plan's answers for requests (a list): a new list of one
+ * truth value per request, from decide (the Python side reads the trace
+ * context: the decision lives there only). */
 static PyObject *
-traceparent_of(PyObject *headers)
+decisions_for(Scanner *self, PyObject *requests)
 {
-    PyObject *value = NULL;
-    if (PyDict_Check(headers)) {
-        value = Py_XNewRef(PyDict_GetItemWithError(headers, str_traceparent));
-    } else if (headers != Py_None) {
-        value = PyObject_GetItem(headers, str_traceparent);
-        if (value == NULL && (PyErr_ExceptionMatches(PyExc_KeyError) ||
-                              PyErr_ExceptionMatches(PyExc_TypeError)))
-            PyErr_Clear();
+    PyObject *answers = PyObject_CallFunctionObjArgs(self->decide, requests, NULL);
+    if (answers != NULL &&
+        (!PyList_Check(answers) || PyList_Size(answers) != PyList_Size(requests))) {
+        PyErr_SetString(PyExc_TypeError, "Scanner: decide must answer each request");
+        Py_CLEAR(answers);
     }
-    return value;
+    return answers;
 }
 
-/* The sampling plan for a request whose traceparent header is value (a
- * reference it consumes; NULL: none): 1 keep, 0 not, -1 error. */
-static int
-keeps_for_traceparent(Scanner *self, PyObject *value)
-{
-    const int *keep = self->keep;
-    if (value == NULL)
-        return PyErr_Occurred() ? -1 : keep[PLAN_ROOT];
-    if ((PyList_Check(value) || PyTuple_Check(value)) && PySequence_Size(value) > 0) {
-        PyObject *first = PySequence_GetItem(value, 0); /* a multi-valued header */
-        SET_REF(value, first);
-        if (value == NULL)
-            return -1;
-    }
-    int sampled = 0, valid = 0;
-    if (PyUnicode_Check(value)) {
-        Py_ssize_t n;
-        const char *text = PyUnicode_AsUTF8AndSize(value, &n);
-        if (text == NULL) {
-            Py_DECREF(value);
-            return -1;
-        }
-        valid = parse_traceparent(text, n, &sampled);
-    }
-    Py_DECREF(value);
-    if (!valid)
-        return keep[PLAN_ROOT];
-    return keep[sampled ? PLAN_SAMPLED_PARENT : PLAN_UNSAMPLED_PARENT];
-}
-
-/* 1 if the request's detail is kept (the sampling plan, by its trace
- * context), 0 if not, -1 on error. */
+/* 1 if the request's detail is kept, 0 if not, -1 on error. */
 static int
 keeps_detail(Scanner *self, PyObject *request)
 {
-    if (keeps_all(self))
+    if (self->decide == Py_None)
         return 1;
-    PyObject *headers = field(request, str_trace_headers);
-    if (headers == NULL)
-        return PyErr_Occurred() ? -1 : self->keep[PLAN_ROOT];
-    PyObject *value = traceparent_of(headers);
-    Py_DECREF(headers);
-    return keeps_for_traceparent(self, value);
+    PyObject *one = PyList_New(1);
+    if (one == NULL)
+        return -1;
+    PyList_SetItem(one, 0, Py_NewRef(request));
+    PyObject *answers = decisions_for(self, one);
+    Py_DECREF(one);
+    if (answers == NULL)
+        return -1;
+    int keep = PyObject_IsTrue(PyList_GetItem(answers, 0));
+    Py_DECREF(answers);
+    return keep;
 }
 
 /* list[v] += count, growing the list with zeros. */
@@ -526,10 +433,8 @@ decide_row(Scanner *self, Py_ssize_t i, PyObject *req_id)
 }
 
 /* Row i has a new owner (req_id): its decision, where known, else queued
- * for decide_pending at the end of the pass. That is normally the step
- * that first schedules the request, while vLLM has just touched it (read
- * later, at its first verified draft, its trace context is colder;
- * docs/performance.md (e) measures both). */
+ * for decide_pending at the end of the pass: normally the step that first
+ * schedules the request, while vLLM has just touched it. */
 static int
 claim_row(Scanner *self, Py_ssize_t i, PyObject *req_id)
 {
@@ -542,34 +447,14 @@ claim_row(Scanner *self, Py_ssize_t i, PyObject *req_id)
     return 0;
 }
 
-#if defined(__GNUC__) || defined(__clang__)
-#define PREFETCH(addr) __builtin_prefetch(addr)
-#else
-#define PREFETCH(addr) ((void)(addr))
-#endif
-
-/* The first two cache lines of an object (a hint: it never faults). */
-static inline void
-prefetch_object(const void *obj)
-{
-    PREFETCH(obj);
-    PREFETCH((const char *)obj + 64);
-}
-
-/* The queued rows' decisions, together. Each request's trace context is
- * a chain of objects, cold by now (the request, its attributes, the
- * headers dict, its key table, the traceparent string): read one request
- * after another, the CPU waits for every link in turn. Taken a link at a
- * time across all the queued requests, with the next link prefetched,
- * the waits overlap (docs/performance.md (e)); the key table, behind the
- * dict, is not prefetched (the limited API does not expose it). Same
- * answers as keeps_detail. */
+/* The queued rows' decisions, in one call to decide for the step's new
+ * requests. */
 static int
 decide_pending(Scanner *self)
 {
     Py_ssize_t n = self->n_pending, m = 0, j;
     Py_ssize_t *rows = self->pending;
-    PyObject **req = self->pending_req, **link = self->pending_link;
+    PyObject **req = self->pending_req;
     self->n_pending = 0;
     for (j = 0; j < n; j++) { /* the requests, from the scheduler's table */
         Py_ssize_t i = rows[j];
@@ -582,47 +467,33 @@ decide_pending(Scanner *self)
                 return -1;
             continue; /* left undecided */
         }
-        prefetch_object(request);
         rows[m] = i;
-        req[m] = request;
-        link[m++] = NULL;
+        req[m++] = request;
     }
     if (m == 0)
         return 0;
-    if (keeps_all(self)) {
+    if (self->decide == Py_None) {
         for (j = 0; j < m; j++)
             set_want(self, rows[j], 1, req[j]);
         return 0;
     }
-    for (j = 0; j < m; j++) { /* their trace headers */
-        if ((link[j] = field(req[j], str_trace_headers)) == NULL && PyErr_Occurred())
-            goto fail;
-        if (link[j] != NULL)
-            prefetch_object(link[j]);
-    }
-    for (j = 0; j < m; j++) { /* the traceparent values */
-        if (link[j] == NULL)
-            continue;
-        PyObject *value = traceparent_of(link[j]);
-        SET_REF(link[j], value);
-        if (value == NULL && PyErr_Occurred())
-            goto fail;
-        if (value != NULL)
-            prefetch_object(value);
-    }
-    for (j = 0; j < m; j++) { /* the decisions */
-        PyObject *value = link[j];
-        link[j] = NULL;
-        int keep = keeps_for_traceparent(self, value);
-        if (keep < 0)
-            goto fail;
-        set_want(self, rows[j], keep, req[j]);
-    }
-    return 0;
-fail:
+    PyObject *requests = PyList_New(m); /* owned: decide runs Python code */
+    if (requests == NULL)
+        return -1;
     for (j = 0; j < m; j++)
-        Py_CLEAR(link[j]);
-    return -1;
+        PyList_SetItem(requests, j, Py_NewRef(req[j]));
+    PyObject *answers = decisions_for(self, requests);
+    int rc = answers == NULL ? -1 : 0;
+    for (j = 0; rc == 0 && j < m; j++) {
+        int keep = PyObject_IsTrue(PyList_GetItem(answers, j));
+        if (keep < 0)
+            rc = -1;
+        else
+            set_want(self, rows[j], keep, PyList_GetItem(requests, j));
+    }
+    Py_XDECREF(answers);
+    Py_DECREF(requests);
+    return rc;
 }
 
 /* A verified draft's detail, in its row. */
@@ -680,52 +551,44 @@ packed_counts(const long long *row, Py_ssize_t dsize, PyObject *entry)
     return out;
 }
 
-/* Room in the hand-over list: 1, or 0 (the detail is dropped, counted,
- * and said once), -1 on error. */
+/* One finished request's detail, queued for the hand-over at the end of
+ * the call: (request, first ns, packed counts). */
 static int
-handover_room(Scanner *self)
-{
-    if (PyList_Size(self->handover) < self->handover_limit)
-        return 1;
-    if (self->dropped++ == 0 && self->on_drop != Py_None) {
-        PyObject *result = PyObject_CallNoArgs(self->on_drop);
-        if (result == NULL)
-            return -1;
-        Py_DECREF(result);
-    }
-    return 0;
-}
-
-/* One finished request's detail onto the hand-over list: (totals, trace
- * headers, status, first ns, end ns, packed counts). */
-static int
-append_detail(Scanner *self, PyObject *request, long long first, const long long *row,
+queue_release(Scanner *self, PyObject *request, long long first, const long long *row,
               PyObject *entry)
 {
-    PyObject *item = PyTuple_New(6);
+    PyObject *packed = packed_counts(row, self->dsize, entry);
+    if (packed == NULL)
+        return -1;
+    PyObject *item = Py_BuildValue("(OLO)", request, first, packed);
+    Py_DECREF(packed);
     if (item == NULL)
         return -1;
-    PyTuple_SetItem(item, 0, Py_NewRef(self->totals));
-    PyObject *headers = field(request, str_trace_headers);
-    PyTuple_SetItem(item, 1, headers ? headers : Py_NewRef(Py_None));
-    PyObject *status = PyErr_Occurred() ? NULL : field(request, str_status);
-    PyTuple_SetItem(item, 2, status ? status : Py_NewRef(Py_None));
-    int rc = -1;
-    if (!PyErr_Occurred()) {
-        PyObject *values[3] = {PyLong_FromLongLong(first), PyLong_FromLongLong(now_ns()),
-                               packed_counts(row, self->dsize, entry)};
-        for (int j = 0; j < 3; j++)
-            PyTuple_SetItem(item, 3 + j, values[j]); /* NULL where it failed */
-        if (values[0] && values[1] && values[2])
-            rc = PyList_Append(self->handover, item);
-    }
+    int rc = PyList_Append(self->to_release, item);
     Py_DECREF(item);
     return rc;
 }
 
-/* A released request's detail (row, -1: none, and spilled) goes to the
- * hand-over list: (totals, trace headers, status, first ns, end ns,
- * accepted-length counts, drafted-length counts). */
+/* The call's finished requests' detail to on_release, in one call (the
+ * Python side stamps, bounds and hands it to the span worker). */
+static int
+flush_released(Scanner *self)
+{
+    if (!self->detail || PyList_Size(self->to_release) == 0)
+        return 0;
+    PyObject *batch = self->to_release;
+    if ((self->to_release = PyList_New(0)) == NULL) {
+        self->to_release = batch;
+        return -1;
+    }
+    PyObject *result = PyObject_CallFunctionObjArgs(self->on_release, batch, NULL);
+    Py_DECREF(batch);
+    Py_XDECREF(result);
+    return result == NULL ? -1 : 0;
+}
+
+/* A released request's detail (row, -1: none, and spilled) is queued for
+ * the hand-over (queue_release). */
 static int
 hand_over_detail(Scanner *self, PyObject *req_id, Py_ssize_t row)
 {
@@ -755,11 +618,8 @@ hand_over_detail(Scanner *self, PyObject *req_id, Py_ssize_t row)
                 first = other;
         }
         if (rc == 0)
-            rc = handover_room(self);
-        if (rc > 0)
-            rc = append_detail(self, request, first, in_row ? row_detail(self, row) : NULL,
+            rc = queue_release(self, request, first, in_row ? row_detail(self, row) : NULL,
                                entry);
-
     }
     Py_XDECREF(entry);
     if (row >= 0)
@@ -816,7 +676,6 @@ grow_detail(Scanner *self, Py_ssize_t cap)
     RESIZE(self->det_req, cap, failed);
     RESIZE(self->pending, cap, failed);
     RESIZE(self->pending_req, cap, failed);
-    RESIZE(self->pending_link, cap, failed);
     if (failed)
         return -1;
     for (Py_ssize_t i = self->cap; i < cap; i++) {
@@ -1493,6 +1352,8 @@ decline:
     if (!PyErr_Occurred())
         result = Py_NewRef(Py_None);
 done:
+    if (result != NULL && flush_released(self) < 0)
+        Py_CLEAR(result);
     inputs_clear(&in);
     Py_XDECREF(p.suspects);
     Py_XDECREF(p.overflow);
@@ -1522,7 +1383,7 @@ Scanner_release(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
         rc = add_rates(self, &rates);
     if (end_of_step)
         Py_CLEAR(self->row_of);
-    if (rc < 0)
+    if (rc < 0 || flush_released(self) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -1547,13 +1408,6 @@ Scanner_add_spilled(Scanner *self, PyObject *args)
 }
 
 static PyObject *
-Scanner_keeps_detail(Scanner *self, PyObject *request)
-{
-    int keep = self->detail ? keeps_detail(self, request) : 0;
-    return keep < 0 ? NULL : PyBool_FromLong(keep);
-}
-
-static PyObject *
 Scanner_add_detail(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5) {
@@ -1567,8 +1421,18 @@ Scanner_add_detail(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     if (!self->detail || d < 0 || a < 0)
         Py_RETURN_NONE;
-    int keep = keeps_detail(self, args[1]);
-    if (keep < 0 || (keep && add_spilled_detail(self, args[0], args[1], a, d, when) < 0))
+    /* Decided once per request: None in det_spilled where it keeps none. */
+    PyObject *known = PyDict_GetItemWithError(self->det_spilled, args[0]);
+    if (known == Py_None || (known == NULL && PyErr_Occurred()))
+        return known == NULL ? NULL : Py_NewRef(Py_None);
+    if (known == NULL) {
+        int keep = keeps_detail(self, args[1]);
+        if (keep < 0 || (!keep && PyDict_SetItem(self->det_spilled, args[0], Py_None) < 0))
+            return NULL;
+        if (!keep)
+            Py_RETURN_NONE;
+    }
+    if (add_spilled_detail(self, args[0], args[1], a, d, when) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -1629,42 +1493,25 @@ totals_list(PyObject *totals, const char *name, Py_ssize_t min_size)
     return value;
 }
 
-/* Request detail: plan (None: off) maps each of plan_roles to whether
- * such a request's detail is kept; handover is the list finished
- * requests' detail goes to, up to handover_limit items; on_drop is called
- * at the first refused. */
+/* Request detail: on where on_release (the hand-over, called with the
+ * list of each call's finished requests' detail) is given; decide (None:
+ * every request's detail kept) answers which requests keep it. */
 static int
-init_detail(Scanner *self, PyObject *totals, PyObject *plan, PyObject *handover,
-            Py_ssize_t limit, PyObject *on_drop)
+init_detail(Scanner *self, PyObject *totals, PyObject *decide, PyObject *on_release)
 {
     if (self->detail || self->det_spilled != NULL) {
         PyErr_SetString(PyExc_TypeError, "Scanner: initialised twice");
         return -1;
     }
-    if ((self->det_spilled = PyDict_New()) == NULL)
+    if ((self->det_spilled = PyDict_New()) == NULL ||
+        (self->to_release = PyList_New(0)) == NULL)
         return -1;
-    self->totals = Py_NewRef(totals);
-    self->handover = Py_NewRef(handover);
-    self->on_drop = Py_NewRef(on_drop);
-    if (plan == Py_None)
+    self->decide = Py_NewRef(decide);
+    self->on_release = Py_NewRef(on_release);
+    if (on_release == Py_None)
         return 0;
-    if (!PyList_CheckExact(handover) || limit < 1 ||
-        (on_drop != Py_None && !PyCallable_Check(on_drop))) {
-        PyErr_SetString(PyExc_TypeError,
-                        "Scanner: detail needs a handover list, a limit >= 1, on_drop callable");
-        return -1;
-    }
-    for (int i = 0; i < N_PLAN; i++) {
-        PyObject *keep = PyMapping_GetItemString(plan, plan_roles[i]);
-        if (keep == NULL)
-            return -1;
-        self->keep[i] = PyObject_IsTrue(keep);
-        Py_DECREF(keep);
-        if (self->keep[i] < 0)
-            return -1;
-    }
-    if (PyMapping_Size(plan) != N_PLAN) {
-        PyErr_Format(PyExc_ValueError, "Scanner: the sampling plan has %d roles", N_PLAN);
+    if (!PyCallable_Check(on_release) || (decide != Py_None && !PyCallable_Check(decide))) {
+        PyErr_SetString(PyExc_TypeError, "Scanner: on_release and decide must be callable");
         return -1;
     }
     PyObject *k = PyObject_GetAttrString(totals, "num_speculative_tokens");
@@ -1676,7 +1523,6 @@ init_detail(Scanner *self, PyObject *totals, PyObject *plan, PyObject *handover,
         return -1;
     }
     self->dsize = value + 1;
-    self->handover_limit = limit;
     self->detail = 1;
     return 0;
 }
@@ -1687,19 +1533,18 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwargs)
     static char *keywords[] = {"totals", "requests", "rate_bounds", "fields", "counts",
                                "track_padding", "in_flight", "skip_finished",
                                "finished_above", "keep_steps", "prune_every", "sweep_every",
-                               "detail_plan", "handover", "handover_limit", "on_drop", NULL};
+                               "detail_decide", "detail_release", NULL};
     PyObject *totals, *requests, *bounds, *fields, *count_names, *finished_above;
-    PyObject *plan = Py_None, *handover = Py_None, *on_drop = Py_None;
-    Py_ssize_t handover_limit = 0;
+    PyObject *decide = Py_None, *on_release = Py_None;
     int track_padding, in_flight, skip_finished;
     long long keep_steps, prune_every, sweep_every;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpppOLLL|OOnO", keywords, &totals,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!OO!OpppOLLL|OO", keywords, &totals,
                                      &PyDict_Type, &requests, &bounds, &PyDict_Type, &fields,
                                      &count_names, &track_padding, &in_flight, &skip_finished,
                                      &finished_above, &keep_steps, &prune_every, &sweep_every,
-                                     &plan, &handover, &handover_limit, &on_drop))
+                                     &decide, &on_release))
         return -1;
-    if (init_detail(self, totals, plan, handover, handover_limit, on_drop) < 0)
+    if (init_detail(self, totals, decide, on_release) < 0)
         return -1;
     Py_ssize_t nb = PySequence_Size(bounds);
     if (nb < 0)
@@ -1838,9 +1683,9 @@ Scanner_traverse(Scanner *self, visitproc visit, void *arg)
     Py_VISIT(self->rate_sum);
     Py_VISIT(self->trackers);
     Py_VISIT(self->det_spilled);
-    Py_VISIT(self->handover);
-    Py_VISIT(self->on_drop);
-    Py_VISIT(self->totals);
+    Py_VISIT(self->to_release);
+    Py_VISIT(self->decide);
+    Py_VISIT(self->on_release);
     if (self->det_req != NULL)
         for (Py_ssize_t i = 0; i < self->cap; i++)
             Py_VISIT(self->det_req[i]);
@@ -1864,9 +1709,9 @@ Scanner_clear_refs(Scanner *self)
     for (int i = 0; i < N_FIELDS; i++)
         Py_CLEAR(self->fields[i]);
     Py_CLEAR(self->det_spilled);
-    Py_CLEAR(self->handover);
-    Py_CLEAR(self->on_drop);
-    Py_CLEAR(self->totals);
+    Py_CLEAR(self->to_release);
+    Py_CLEAR(self->decide);
+    Py_CLEAR(self->on_release);
     if (self->det_req != NULL)
         for (Py_ssize_t i = 0; i < self->cap; i++)
             Py_CLEAR(self->det_req[i]);
@@ -1888,7 +1733,6 @@ Scanner_dealloc(Scanner *self)
     PyMem_Free(self->det_req);
     PyMem_Free(self->pending);
     PyMem_Free(self->pending_req);
-    PyMem_Free(self->pending_link);
     PyTypeObject *type = Py_TYPE(self);
     freefunc free_slot = (freefunc)PyType_GetSlot(type, Py_tp_free);
     free_slot(self);
@@ -1945,8 +1789,6 @@ static PyMethodDef Scanner_methods[] = {
     {"add_detail", (PyCFunction)(void (*)(void))Scanner_add_detail, METH_FASTCALL,
      "add_detail(req_id, request, drafted, accepted, when_ns): one draft's request detail "
      "from a Python-path step (kept where the sampling plan keeps the request's)"},
-    {"keeps_detail", (PyCFunction)Scanner_keeps_detail, METH_O,
-     "keeps_detail(request): whether the sampling plan keeps the request's detail"},
     {"drop_missing", (PyCFunction)Scanner_drop_missing, METH_O,
      "drop_missing(requests): forget tallies outside the rows of requests not in it"},
     {"clear", (PyCFunction)Scanner_clear, METH_NOARGS, "forget every tally"},
@@ -1975,12 +1817,6 @@ Scanner_get_detail_owners(Scanner *self, void *closure)
     return out;
 }
 
-static PyObject *
-Scanner_get_dropped(Scanner *self, void *closure)
-{
-    return PyLong_FromLongLong(self->dropped);
-}
-
 static PyGetSetDef Scanner_getset[] = {
     {"detail_spilled", (getter)Scanner_get_det_spilled, NULL,
      "request id -> [request, first ns, counts, counts]: request detail outside the rows "
@@ -1988,8 +1824,6 @@ static PyGetSetDef Scanner_getset[] = {
      NULL},
     {"detail_owners", (getter)Scanner_get_detail_owners, NULL,
      "the requests whose detail a row keeps", NULL},
-    {"dropped_details", (getter)Scanner_get_dropped, NULL,
-     "finished requests' detail refused by the full hand-over list", NULL},
     {"owners", (getter)Scanner_get_owners, NULL, "row -> request id (or None)", NULL},
     {"spilled", (getter)Scanner_get_spilled, NULL,
      "request id -> (drafted, accepted) of requests not in a row", NULL},
@@ -2035,10 +1869,7 @@ PyInit__rowscan(void)
     minus_one = PyLong_FromLong(-1);
     str_status = PyUnicode_InternFromString("status");
     str_is_finished = PyUnicode_InternFromString("is_finished");
-    str_trace_headers = PyUnicode_InternFromString("trace_headers");
-    str_traceparent = PyUnicode_InternFromString("traceparent");
-    if (minus_one == NULL || str_status == NULL || str_is_finished == NULL ||
-        str_trace_headers == NULL || str_traceparent == NULL)
+    if (minus_one == NULL || str_status == NULL || str_is_finished == NULL)
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)

@@ -12,31 +12,56 @@ trace id the SDK draws when it builds the span (ratio samplers, for
 requests without a parent) or on a sampler this module does not know, the
 detail is kept and the sampler decides when the span is built.
 
-The C pass applies the same plan (``_rowscan`` parses the ``traceparent``
-header itself); ``SamplingPlan.keeps`` is the reference, through the SDK's
-own propagator, and a test holds the two to the same answers.
+``SamplingPlan.keeps`` is the one place a request's trace context is read
+for it, on both accounting paths (the C pass asks it, once per step, about
+the requests the step first schedules). It checks the ``traceparent``
+header with the W3C grammar itself rather than through the SDK's
+propagator, which builds a context per call (several microseconds, on the
+scheduler's thread); a test holds it to the propagator's answers.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry import trace
 from opentelemetry.sdk.trace import sampling
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 __all__ = ["KEEP_ALL", "SamplingPlan", "plan_for"]
 
-_PROPAGATOR = TraceContextTextMapPropagator()
+# W3C trace context: version-trace_id-parent_id-flags, lower-case hex;
+# later versions may append fields after another "-".
+_TRACEPARENT = re.compile(
+    r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$")
+_ZERO_TRACE_ID = "0" * 32
+_ZERO_SPAN_ID = "0" * 16
+# Longer values are ignored, as the SDK's propagator ignores them.
+_TRACEPARENT_MAX_LENGTH = 512
+
+
+def _parent_sampled(trace_headers: Mapping[str, Any]) -> bool | None:
+    """The remote parent's sampled flag, or None where there is no valid parent."""
+    value = trace_headers.get("traceparent")
+    if value is not None and not isinstance(value, str):
+        value = next(iter(value), None)  # a multi-valued header: its first value
+    if not isinstance(value, str) or len(value) > _TRACEPARENT_MAX_LENGTH:
+        return None
+    match = _TRACEPARENT.search(value)
+    if match is None:
+        return None
+    version, trace_id, span_id, flags, rest = match.groups()
+    if (trace_id == _ZERO_TRACE_ID or span_id == _ZERO_SPAN_ID or version == "ff"
+            or (version == "00" and rest)):
+        return None
+    return bool(int(flags, 16) & 1)
 
 
 @dataclass(frozen=True)
 class SamplingPlan:
     """Whether a request's detail is kept, by the kind of its trace context.
 
-    The C pass is given ``as_dict()`` and takes each kind by its field name.
     """
 
     root: bool
@@ -46,19 +71,20 @@ class SamplingPlan:
     def keeps_none(self) -> bool:
         return not (self.root or self.sampled_parent or self.unsampled_parent)
 
-    def as_dict(self) -> dict[str, bool]:
-        return asdict(self)
+    def keeps_all(self) -> bool:
+        return self.root and self.sampled_parent and self.unsampled_parent
 
     def keeps(self, trace_headers: Mapping[str, Any] | None) -> bool:
         """The plan for a request with these trace headers."""
-        if self.root and self.sampled_parent and self.unsampled_parent:
+        if self.keeps_all():
             return True
         if trace_headers:
-            context = trace.get_current_span(
-                _PROPAGATOR.extract(dict(trace_headers))).get_span_context()
-            if context.is_valid:
-                return self.sampled_parent if context.trace_flags.sampled else (
-                    self.unsampled_parent)
+            try:
+                sampled = _parent_sampled(trace_headers)
+            except Exception:  # headers that cannot be read: the sampler decides later
+                return True
+            if sampled is not None:
+                return self.sampled_parent if sampled else self.unsampled_parent
         return self.root
 
 

@@ -145,7 +145,7 @@ class RequestSpanEmitter:
     """Builds request spans on its own thread from what the scheduler hands over.
 
     The scheduler's thread only appends finished requests' detail to
-    ``handover`` (the C pass does so itself); this thread takes it in
+    ``handover`` (``DetailHandover.hand_over``, on both paths); this thread takes it in
     batches (every ``POLL_S``, less often while there is nothing, or at once
     for a flush) and builds the spans.
     """

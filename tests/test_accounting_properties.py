@@ -10,7 +10,10 @@ them. The same stream goes through the exact path and the C pass, each on
 a scheduler of its own; each must equal vLLM's ``SpecDecodingStats``
 (totals, per-position counts, the acceptance-length histogram) and its
 per-request counts, and the two must be identical, per-request rates
-included.
+included. Request spans are on (a parent-based sampler; arrivals come with
+a sampled parent, an unsampled one, or none): each path must hand over the
+same per-request detail, for exactly the requests the plan keeps, adding
+up to vLLM's per-request counts.
 
 Examples are derandomized (the same ones in every run: a failure here is
 a bug, never noise); ``SPECDEC_HYPOTHESIS_EXAMPLES`` runs more of them to
@@ -28,6 +31,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from scheduler_harness import SchedulerHarness, build_scheduler, has_field
+
+from otel_specdec._request_details import DetailHandover, unpack_counts
 
 K = 4
 DRAIN_STEPS = 200
@@ -57,14 +62,27 @@ def _accept(seed: int, req_id: str, drafts: list[int]) -> int:
     return random.Random(f"{seed}|{req_id}").randint(0, len(drafts))
 
 
-def _drive(harness: SchedulerHarness, plan: list[Any]) -> None:
+# Arrivals' trace context, in turn: a sampled parent, an unsampled one, none.
+_PARENT = "-00f067aa0ba902b7-"
+_HEADERS: list[dict[str, str] | None] = [
+    {"traceparent": f"00-{1:032x}{_PARENT}01"}, {"traceparent": f"00-{2:032x}{_PARENT}00"}, None]
+# The sampler below keeps detail for those with a sampled parent or none.
+_KEPT = {0, 2}
+
+
+def _drive(harness: SchedulerHarness, plan: list[Any]) -> dict[str, int]:
+    """The stream; returns each request's kind of trace context (_HEADERS)."""
     from vllm.v1.core.sched.output import SchedulerOutput
 
     invalid_supported = has_field(SchedulerOutput, "num_invalid_spec_tokens")
     scheduler = harness.scheduler
+    kinds: dict[str, int] = {}
     for arrivals, abort_between, abort_in_step, cap, seed, invalidate in plan:
         for prompt_len, max_tokens in arrivals:
-            harness.add_requests(1, prompt_len=prompt_len, max_tokens=max_tokens)
+            kind = len(kinds) % len(_HEADERS)
+            (req_id,) = harness.add_requests(1, prompt_len=prompt_len, max_tokens=max_tokens,
+                                             trace_headers=lambda _i, h=_HEADERS[kind]: h)
+            kinds[req_id] = kind
         live = sorted(scheduler.requests)
         if abort_between is not None and live:
             harness.abort(live[abort_between % len(live)])
@@ -89,6 +107,7 @@ def _drive(harness: SchedulerHarness, plan: list[Any]) -> None:
         harness.step(lambda r, d, s=step: _accept(s, r, d), lambda r, s=step: _drafts(s, r, K))
     for req_id in list(scheduler.requests):
         harness.abort(req_id)
+    return kinds
 
 
 def _padded(values: list[int]) -> list[int]:
@@ -96,18 +115,28 @@ def _padded(values: list[int]) -> list[int]:
 
 
 def _run(tiny_model: str, plan: list[Any], small_cache: bool, native: Any, name: str) -> Any:
-    """The plan through one path; its totals, checked against vLLM's."""
+    """The plan through one path; its totals and span detail, checked against vLLM's."""
     from otel_specdec import _accounting
 
-    saved = _accounting.NATIVE_SCANNER
+    saved, saved_hand_over = _accounting.NATIVE_SCANNER, DetailHandover.hand_over
+    handed: dict[str, tuple[list[int], list[int]]] = {}
+
+    def recording_hand_over(self: DetailHandover, totals: Any, released: Any) -> None:
+        for request, _first_ns, packed in released:
+            assert request.request_id not in handed
+            handed[request.request_id] = unpack_counts(packed)
+        saved_hand_over(self, totals, released)
+
     _accounting.NATIVE_SCANNER = native
+    DetailHandover.hand_over = recording_hand_over  # type: ignore[method-assign]
     try:
         harness = SchedulerHarness(build_scheduler(
             tiny_model, K, per_request_metrics=True, served_model_name=name,
             num_blocks=24 if small_cache else 200_000))
-        _drive(harness, plan)
+        kinds = _drive(harness, plan)
     finally:
         _accounting.NATIVE_SCANNER = saved
+        DetailHandover.hand_over = saved_hand_over  # type: ignore[method-assign]
     accountant = harness.scheduler.__dict__["_otel_specdec_accountant"][1]
     path = "native" if native is not None else "exact"
     steps = accountant.steps_by_path()
@@ -125,7 +154,47 @@ def _run(tiny_model: str, plan: list[Any], small_cache: bool, native: Any, name:
     assert sum(snapshot.rate_buckets) == len(rates)
     assert snapshot.rate_sum == pytest.approx(sum(rates))
     trackers = sorted(tuple(t) for t in totals.rate_trackers.values())
-    return snapshot, trackers
+    per_request = harness.per_request()
+    assert set(handed) == {r for r, (drafted, _) in per_request.items()
+                           if drafted and kinds[r] in _KEPT}
+    for req_id, (accepted_hist, drafted_hist) in handed.items():
+        drafted = sum(n * c for n, c in enumerate(drafted_hist))
+        accepted = sum(n * c for n, c in enumerate(accepted_hist))
+        assert (drafted, accepted) == per_request[req_id], req_id
+    detail = {r: (_strip(a), _strip(d)) for r, (a, d) in handed.items()}
+    return snapshot, trackers, detail
+
+
+def _strip(counts: list[int]) -> list[int]:
+    """Counts without trailing zeros (the two paths size them differently)."""
+    while counts and counts[-1] == 0:
+        counts = counts[:-1]
+    return counts
+
+
+@pytest.fixture
+def traced_reader(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The plugin on a fresh meter provider (in-memory reader) and a tracer
+    provider with a parent-based sampler, request spans on."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+    from otel_specdec import SpecDecodeInstrumentor
+
+    monkeypatch.setenv("OTEL_SPECDEC_TRACES", "true")
+    instrumentor = SpecDecodeInstrumentor()
+    if instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.uninstrument()
+    memory_reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[memory_reader], shutdown_on_exit=False)
+    tracer_provider = TracerProvider(sampler=ParentBased(ALWAYS_ON))
+    instrumentor.instrument(meter_provider=meter_provider, tracer_provider=tracer_provider)
+    yield memory_reader
+    instrumentor.uninstrument()
+    meter_provider.shutdown()
+    tracer_provider.shutdown()
 
 
 @settings(max_examples=int(os.environ.get("SPECDEC_HYPOTHESIS_EXAMPLES", "12")),
@@ -134,7 +203,8 @@ def _run(tiny_model: str, plan: list[Any], small_cache: bool, native: Any, name:
                                  HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(plan=_plan, small_cache=st.booleans())
 @example(plan=[([(8, 40)] * 3, None, None, K, 1, False)] * 6, small_cache=True)
-def test_random_streams_count_as_vllm_on_both_paths(tiny_model, reader, plan, small_cache):
+def test_random_streams_count_as_vllm_on_both_paths(tiny_model, traced_reader, plan,
+                                                    small_cache):
     from otel_specdec import _accounting
 
     native = _accounting.NATIVE_SCANNER
@@ -147,3 +217,4 @@ def test_random_streams_count_as_vllm_on_both_paths(tiny_model, reader, plan, sm
     assert fast[0]._replace(rate_sum=0.0) == exact[0]._replace(rate_sum=0.0)
     assert fast[0].rate_sum == pytest.approx(exact[0].rate_sum, rel=1e-12)
     assert fast[1] == exact[1]
+    assert fast[2] == exact[2]

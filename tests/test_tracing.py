@@ -12,10 +12,12 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry import trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -27,6 +29,7 @@ from opentelemetry.sdk.trace.sampling import (
     ParentBased,
     TraceIdRatioBased,
 )
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from otel_helpers import histogram
 from scheduler_harness import SchedulerHarness, build_scheduler
 
@@ -34,7 +37,6 @@ from otel_specdec import SpecDecodeInstrumentor, _accounting, _instruments, _run
 from otel_specdec._bounded import Deadline
 from otel_specdec._request_details import DetailHandover
 from otel_specdec._span_sampling import SamplingPlan, plan_for
-from otel_specdec._totals import SpecDecodeTotals
 
 K = 3
 PARENT_SPAN = "00f067aa0ba902b7"
@@ -338,22 +340,55 @@ HEADER_CASES: list[Any] = [
 ]
 
 
-@pytest.mark.parametrize("plan", [
-    SamplingPlan(True, True, False), SamplingPlan(False, True, False),
-    SamplingPlan(False, False, True), SamplingPlan(True, False, True),
-])
-def test_the_c_pass_reads_trace_context_as_the_sdk_does(plan):
-    """The C pass's own traceparent check decides as the SDK's propagator
-    (``SamplingPlan.keeps``, the reference) for valid, sampled, unsampled
-    and malformed values."""
-    assert _accounting.NATIVE_SCANNER is not None, "the C accelerator was not built"
-    accountant = _accounting.StepAccountant(SpecDecodeTotals({}, K), {},
-                                            details=DetailHandover(plan, 10))
-    scanner = accountant._scanner
+HEADER_CASES += [
+    {"traceparent": [f"00-{trace_id(3)}-{PARENT_SPAN}-01", "garbage"]},  # multi-valued
+    {"traceparent": ("garbage", f"00-{trace_id(3)}-{PARENT_SPAN}-01")},
+    {"traceparent": []},
+    {"traceparent": f"00-{trace_id(3)}-{PARENT_SPAN}-01\n"},
+    {"traceparent": f"00-{trace_id(3)}-{PARENT_SPAN}-01\t"},
+    {"traceparent": f"cc-{trace_id(3)}-{PARENT_SPAN}-01-{'x' * 500}"},  # over 512 characters
+    {"traceparent": f"cc-{trace_id(3)}-{PARENT_SPAN}-00-{'x' * 400}"},
+]
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def sdk_keeps(plan: SamplingPlan, trace_headers: Mapping[str, Any] | None) -> bool:
+    """The reference: the plan applied to the parent the SDK's own
+    propagator extracts, as the span is built."""
+    if trace_headers:
+        context = trace.get_current_span(_PROPAGATOR.extract(trace_headers)).get_span_context()
+        if context.is_valid:
+            return plan.sampled_parent if context.trace_flags.sampled else plan.unsampled_parent
+    return plan.root
+
+
+MIXED_PLANS = [SamplingPlan(True, True, False), SamplingPlan(False, True, False),
+               SamplingPlan(False, False, True), SamplingPlan(True, False, True)]
+
+
+@pytest.mark.parametrize("plan", MIXED_PLANS)
+def test_the_plan_reads_trace_context_as_the_sdks_propagator_does(plan):
+    """``SamplingPlan.keeps`` checks ``traceparent`` itself (the SDK's
+    propagator builds a context per call): it answers as the propagator
+    does for valid, sampled, unsampled, malformed, multi-valued and
+    over-long values."""
     for headers in HEADER_CASES:
-        request = SimpleNamespace(trace_headers=headers)
-        assert scanner.keeps_detail(request) == plan.keeps(headers), headers
-    assert scanner.keeps_detail(SimpleNamespace()) == plan.root  # no trace_headers field
+        assert plan.keeps(headers) == sdk_keeps(plan, headers), headers
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(version=st.sampled_from(["00", "01", "cc", "ff", "0", "0g", "AB"]),
+       trace=st.sampled_from([trace_id(3), "0" * 32, trace_id(3).upper(), trace_id(3)[:31]]),
+       span=st.sampled_from([PARENT_SPAN, "0" * 16, PARENT_SPAN + "0"]),
+       flags=st.sampled_from(["00", "01", "02", "03", "ff", "1", "0x"]),
+       tail=st.text(alphabet=" \t\n-x0", max_size=4),
+       lead=st.text(alphabet=" \t", max_size=2))
+def test_the_plan_and_the_propagator_agree_on_generated_values(version, trace, span, flags,
+                                                              tail, lead):
+    headers = {"traceparent": f"{lead}{version}-{trace}-{span}-{flags}{tail}"}
+    for plan in MIXED_PLANS:
+        assert plan.keeps(headers) == sdk_keeps(plan, headers), headers
 
 
 TOGETHER_SAMPLERS = [ParentBased(ALWAYS_ON), ParentBased(ALWAYS_OFF),
@@ -364,10 +399,10 @@ TOGETHER_SAMPLERS = [ParentBased(ALWAYS_ON), ParentBased(ALWAYS_OFF),
 @pytest.mark.parametrize("traced", TOGETHER_SAMPLERS, indirect=True)
 def test_requests_scheduled_together_are_decided_as_the_sdk_decides(tiny_model, traced,
                                                                    request):
-    """The C pass decides the requests that one step schedules in one walk
-    over them (each link of their trace context prefetched for the next):
-    for every kind of trace context, a non-dict mapping among them, the
-    answer of the reference (``SamplingPlan.keeps``), and the spans follow."""
+    """The requests that one step schedules are decided together, at the end
+    of the C pass: for every kind of trace context, a non-dict mapping among
+    them, the answer of the reference (the SDK's propagator), and the spans
+    follow."""
     cases: list[Any] = [*HEADER_CASES,
                         CountingHeaders({"traceparent": f"00-{trace_id(4)}-{PARENT_SPAN}-01"}),
                         CountingHeaders({"traceparent": f"00-{trace_id(5)}-{PARENT_SPAN}-00"})]
@@ -377,7 +412,7 @@ def test_requests_scheduled_together_are_decided_as_the_sdk_decides(tiny_model, 
     harness.step(accept_varied, drafts_of_three)  # the prefill: every request decided
     scanner = harness.scheduler.__dict__["_otel_specdec_accountant"][1]._scanner
     expected = {req_id for req_id, headers in zip(ids, cases, strict=True)
-                if plan.keeps(headers)}
+                if sdk_keeps(plan, headers)}
     assert 0 < len(expected) <= len(cases)
     assert set(scanner.detail_owners) == expected
     while harness.scheduler.requests:
@@ -385,22 +420,45 @@ def test_requests_scheduled_together_are_decided_as_the_sdk_decides(tiny_model, 
     assert len(traced.finished_spans()) == len(expected)
 
 
-def test_the_c_pass_takes_the_plan_by_name():
-    """The plan's kinds are passed by name: one missing or one too many is refused."""
-    def build(plan: dict) -> Any:
-        return _accounting.NATIVE_SCANNER(
-            SpecDecodeTotals({}, K), {}, _instruments.REQUEST_RATE_BOUNDS,
-            _accounting.STEP_FIELDS._asdict(), _accounting.STEP_COUNTS, track_padding=True,
-            in_flight=False, skip_finished=True, finished_above=None, keep_steps=4,
-            prune_every=8, sweep_every=64, detail_plan=plan, handover=[], handover_limit=4,
-            on_drop=None)
+@pytest.mark.parametrize("span_path", ["native"], indirect=True)
+@pytest.mark.parametrize("traced", [ParentBased(ALWAYS_ON), ALWAYS_ON], indirect=True)
+def test_the_c_pass_leaves_each_decision_and_the_hand_over_to_python(
+        tiny_model, traced, request, monkeypatch):
+    """The C pass reads no trace context and builds no hand-over item: it
+    asks ``DetailHandover.decide`` once per step, about the requests that
+    step first schedules (not at all where the plan keeps every request),
+    and passes finished requests' detail to ``DetailHandover.hand_over``
+    once per call."""
+    decided: list[list[Any]] = []
+    handed: list[int] = []
+    decide, hand_over = DetailHandover.decide, DetailHandover.hand_over
 
-    full = SamplingPlan(True, False, True).as_dict()
-    assert build(full).keeps_detail(SimpleNamespace(trace_headers=None))
-    with pytest.raises(KeyError):
-        build({k: v for k, v in full.items() if k != "unsampled_parent"})
-    with pytest.raises(ValueError):
-        build({**full, "local_parent": True})
+    def recording_decide(self, requests):
+        decided.append(list(requests))
+        return decide(self, requests)
+
+    def recording_hand_over(self, totals, released):
+        handed.append(len(released))
+        return hand_over(self, totals, released)
+
+    monkeypatch.setattr(DetailHandover, "decide", recording_decide)
+    monkeypatch.setattr(DetailHandover, "hand_over", recording_hand_over)
+    harness = SchedulerHarness(build_scheduler(tiny_model, K, per_request_metrics=True))
+    ids = harness.add_requests(6, max_tokens=6, trace_headers=lambda i: traceparent(i))
+    harness.step(accept_varied, drafts_of_three)
+    keeps_all = plan_for(request.node.callspec.params["traced"]).keeps_all()
+    if keeps_all:
+        assert decided == []
+    else:
+        assert len(decided) == 1
+        assert sorted(r.request_id for r in decided[0]) == sorted(ids)
+    steps = 1
+    while harness.scheduler.requests:
+        harness.step(accept_varied, drafts_of_three)
+        steps += 1
+    assert len(decided) == (0 if keeps_all else 1)  # no request decided twice
+    assert 0 < len(handed) <= steps and sum(handed) == len(ids)
+    assert len(traced.finished_spans()) == len(ids)
 
 
 def test_the_plan_follows_the_sampler():
