@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -144,7 +145,21 @@ def shutdown_evidence(result: dict[str, Any], store: Any = None) -> str:
                 for t in (store.received_at if store is not None else [])]
     refused = store.refused if store is not None else []
     return "\n".join(["plugin:", *plugin, "vLLM:", result.get("shutdown_log", ""),
-                      f"receiver got exports at: {arrivals}", f"receiver refused: {refused}"])
+                      f"receiver got exports at: {arrivals}", f"receiver refused: {refused}",
+                      machine_load()])
+
+
+def machine_load() -> str:
+    """The load average and the busiest processes now: a loss seen only in
+    full-suite runs may come from CPU taken by something else (issue 30)."""
+    try:
+        busiest = subprocess.run(
+            ["ps", "-eo", "pid,ppid,pcpu,etime,args", "--sort=-pcpu"], capture_output=True,
+            text=True, timeout=5).stdout.splitlines()[:8]
+    except (OSError, subprocess.SubprocessError) as exc:
+        busiest = [f"ps failed: {exc}"]
+    return "\n".join([f"load average: {os.getloadavg()}",
+                      *(line[:160] for line in busiest)])
 
 
 def main() -> None:
