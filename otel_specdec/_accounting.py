@@ -30,7 +30,6 @@ The rules (vLLM ``Scheduler.update_from_output`` and
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from itertools import compress, filterfalse, repeat
@@ -210,7 +209,7 @@ class StepAccountant:
                 sweep_every=_SWEEP_EVERY_STEPS,
                 **({} if details is None else {
                     "detail_decide": None if details.plan.keeps_all() else details.decide,
-                    "detail_release": functools.partial(details.hand_over, totals)}),
+                    "detail_release": details.hand_over}),
             )
         self._num_sampled = num_sampled_per_step
         # Under async scheduling every scheduled draft is a -1 placeholder,

@@ -9,16 +9,15 @@ That detail is kept where the counts are: by the C pass in its rows (see
 was not built. Only requests whose span can be sampled keep it (the
 sampling plan, ``_span_sampling``).
 
-``DetailHandover`` is the one place where each request's part is done, for
-both paths: which requests keep detail (``decide``, the sampling plan) and
-the hand-over of finished requests' detail (``hand_over``, given ``(request,
-first_ns, packed_counts)`` per request, by the C pass once per call). A
-finished request's detail is one tuple on its list, appended on the
-scheduler's thread and taken by the span worker thread: ``(totals,
-trace_headers, status, first_ns, end_ns, packed_counts)`` (``pack_counts``:
-one bytes object, as the C pass builds it in one allocation). The list is
-bounded: a detail that does not fit is dropped and the first drop is
-logged.
+``DetailHandover`` is the one place for what is decided once per request,
+on both paths: which requests keep detail (``decide``, the sampling plan,
+which reads the trace context) and the hand-over of finished requests'
+detail (``hand_over``: a bounded list, the drops and their warning). A
+finished request's detail is one tuple, ``(totals, trace_headers, status,
+first_ns, end_ns, packed_counts)`` (``pack_counts``: one bytes object),
+built where its counts are (by the C pass, which passes each call's
+tuples in one ``hand_over`` call, or by ``RequestDetails.release``),
+appended on the scheduler's thread and taken by the span worker thread.
 """
 
 from __future__ import annotations
@@ -77,21 +76,24 @@ class DetailHandover:
         self._said = False
 
     def decide(self, requests: Sequence[Any]) -> list[bool]:
-        """For each request, whether the plan keeps its detail (by its trace context)."""
+        """For each request, whether the plan keeps its detail (by its trace
+        context): the C pass calls this once per step, about the requests
+        the step first schedules."""
         keeps = self.plan.keeps
         return [keeps(getattr(request, "trace_headers", None)) for request in requests]
 
-    def hand_over(self, totals: Any, released: Sequence[tuple[Any, int, bytes]]) -> None:
-        """Finished requests' ``(request, first_ns, packed_counts)``, stamped
-        with their end and appended for the span worker while there is room."""
-        end_ns = time.time_ns()
+    def hand_over(self, released: list[tuple[Any, ...]]) -> None:
+        """Finished requests' detail, appended for the span worker while
+        there is room (no per-request work here: the C pass calls this once
+        per call)."""
         items = self.items
         room = self.limit - len(items)
-        for request, first_ns, packed in released[:max(room, 0)]:
-            items.append((totals, getattr(request, "trace_headers", None),
-                          getattr(request, "status", None), first_ns, end_ns, packed))
-        if len(released) > room:
-            self._note_drops(len(released) - max(room, 0))
+        if room >= len(released):
+            items.extend(released)
+            return
+        if room > 0:
+            items.extend(released[:room])
+        self._note_drops(len(released) - max(room, 0))
 
     def _note_drops(self, count: int) -> None:
         """Details that did not fit: counted, and said once per process."""
@@ -158,10 +160,13 @@ class RequestDetails:
         for req_id in request_ids:
             detail = by_id.pop(req_id, None)
             if detail is not None and any(detail.accepted):
-                released.append((detail.request, detail.first_ns,
-                                 pack_counts(detail.accepted, detail.drafted)))
+                request = detail.request
+                released.append((
+                    self._totals, getattr(request, "trace_headers", None),
+                    getattr(request, "status", None), detail.first_ns, time.time_ns(),
+                    pack_counts(detail.accepted, detail.drafted)))
         if released:
-            self._handover.hand_over(self._totals, released)
+            self._handover.hand_over(released)
 
     def drop_missing(self, live: Mapping[str, object]) -> None:
         for req_id in [r for r in self._by_id if r not in live]:

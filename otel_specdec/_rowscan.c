@@ -65,7 +65,7 @@ static PyObject *minus_one;
         (dst) = (src);                 \
         Py_XDECREF(old_);              \
     } while (0)
-static PyObject *str_status, *str_is_finished;
+static PyObject *str_status, *str_is_finished, *str_trace_headers;
 
 typedef struct {
     PyObject_HEAD
@@ -119,6 +119,7 @@ typedef struct {
     PyObject *det_spilled;  /* dict: req_id -> [request, first_ns, acc list, drf list] */
     PyObject *to_release;   /* list: this call's finished requests' detail */
     PyObject *on_release;   /* takes that list at the end of the call (the hand-over) */
+    PyObject *totals;       /* handed over with each detail */
 } Scanner;
 
 typedef struct {
@@ -552,16 +553,22 @@ packed_counts(const long long *row, Py_ssize_t dsize, PyObject *entry)
 }
 
 /* One finished request's detail, queued for the hand-over at the end of
- * the call: (request, first ns, packed counts). */
+ * the call: (totals, trace headers, status, first ns, end ns, packed
+ * counts), what the span needs and no more (the request itself, with its
+ * token lists, is not kept while the span waits). */
 static int
 queue_release(Scanner *self, PyObject *request, long long first, const long long *row,
               PyObject *entry)
 {
-    PyObject *packed = packed_counts(row, self->dsize, entry);
-    if (packed == NULL)
-        return -1;
-    PyObject *item = Py_BuildValue("(OLO)", request, first, packed);
-    Py_DECREF(packed);
+    PyObject *headers = field(request, str_trace_headers);
+    PyObject *status = headers == NULL && PyErr_Occurred() ? NULL : field(request, str_status);
+    PyObject *packed = PyErr_Occurred() ? NULL : packed_counts(row, self->dsize, entry);
+    PyObject *item = packed == NULL ? NULL : Py_BuildValue(
+        "(OOOLLO)", self->totals, headers ? headers : Py_None, status ? status : Py_None,
+        first, now_ns(), packed);
+    Py_XDECREF(headers);
+    Py_XDECREF(status);
+    Py_XDECREF(packed);
     if (item == NULL)
         return -1;
     int rc = PyList_Append(self->to_release, item);
@@ -570,7 +577,7 @@ queue_release(Scanner *self, PyObject *request, long long first, const long long
 }
 
 /* The call's finished requests' detail to on_release, in one call (the
- * Python side stamps, bounds and hands it to the span worker). */
+ * Python side bounds it and hands it to the span worker). */
 static int
 flush_released(Scanner *self)
 {
@@ -1508,6 +1515,7 @@ init_detail(Scanner *self, PyObject *totals, PyObject *decide, PyObject *on_rele
         return -1;
     self->decide = Py_NewRef(decide);
     self->on_release = Py_NewRef(on_release);
+    self->totals = Py_NewRef(totals);
     if (on_release == Py_None)
         return 0;
     if (!PyCallable_Check(on_release) || (decide != Py_None && !PyCallable_Check(decide))) {
@@ -1686,6 +1694,7 @@ Scanner_traverse(Scanner *self, visitproc visit, void *arg)
     Py_VISIT(self->to_release);
     Py_VISIT(self->decide);
     Py_VISIT(self->on_release);
+    Py_VISIT(self->totals);
     if (self->det_req != NULL)
         for (Py_ssize_t i = 0; i < self->cap; i++)
             Py_VISIT(self->det_req[i]);
@@ -1712,6 +1721,7 @@ Scanner_clear_refs(Scanner *self)
     Py_CLEAR(self->to_release);
     Py_CLEAR(self->decide);
     Py_CLEAR(self->on_release);
+    Py_CLEAR(self->totals);
     if (self->det_req != NULL)
         for (Py_ssize_t i = 0; i < self->cap; i++)
             Py_CLEAR(self->det_req[i]);
@@ -1869,7 +1879,9 @@ PyInit__rowscan(void)
     minus_one = PyLong_FromLong(-1);
     str_status = PyUnicode_InternFromString("status");
     str_is_finished = PyUnicode_InternFromString("is_finished");
-    if (minus_one == NULL || str_status == NULL || str_is_finished == NULL)
+    str_trace_headers = PyUnicode_InternFromString("trace_headers");
+    if (minus_one == NULL || str_status == NULL || str_is_finished == NULL ||
+        str_trace_headers == NULL)
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)

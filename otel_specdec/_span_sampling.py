@@ -76,9 +76,7 @@ class SamplingPlan:
 
     def keeps(self, trace_headers: Mapping[str, Any] | None) -> bool:
         """The plan for a request with these trace headers."""
-        if self.keeps_all():
-            return True
-        if trace_headers:
+        if trace_headers and not self.keeps_all():
             try:
                 sampled = _parent_sampled(trace_headers)
             except Exception:  # headers that cannot be read: the sampler decides later

@@ -62,27 +62,39 @@ def _accept(seed: int, req_id: str, drafts: list[int]) -> int:
     return random.Random(f"{seed}|{req_id}").randint(0, len(drafts))
 
 
-# Arrivals' trace context, in turn: a sampled parent, an unsampled one, none.
+# Arrivals' trace context, in turn: a sampled parent, an unsampled one, none
+# (a header of another name). Each request's headers are its own, so that
+# a handed-over detail tells whose it is.
 _PARENT = "-00f067aa0ba902b7-"
-_HEADERS: list[dict[str, str] | None] = [
-    {"traceparent": f"00-{1:032x}{_PARENT}01"}, {"traceparent": f"00-{2:032x}{_PARENT}00"}, None]
+_KINDS = 3
 # The sampler below keeps detail for those with a sampled parent or none.
 _KEPT = {0, 2}
 
 
+def _headers(ordinal: int) -> dict[str, str]:
+    kind = ordinal % _KINDS
+    if kind == 2:
+        return {"x-arrival": str(ordinal)}
+    return {"traceparent": f"00-{ordinal + 1:032x}{_PARENT}0{1 - kind}"}
+
+
+def _key(headers: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(headers.items()))
+
+
 def _drive(harness: SchedulerHarness, plan: list[Any]) -> dict[str, int]:
-    """The stream; returns each request's kind of trace context (_HEADERS)."""
+    """The stream; returns each request's arrival ordinal (its headers: _headers)."""
     from vllm.v1.core.sched.output import SchedulerOutput
 
     invalid_supported = has_field(SchedulerOutput, "num_invalid_spec_tokens")
     scheduler = harness.scheduler
-    kinds: dict[str, int] = {}
+    ordinals: dict[str, int] = {}
     for arrivals, abort_between, abort_in_step, cap, seed, invalidate in plan:
         for prompt_len, max_tokens in arrivals:
-            kind = len(kinds) % len(_HEADERS)
+            headers = _headers(len(ordinals))
             (req_id,) = harness.add_requests(1, prompt_len=prompt_len, max_tokens=max_tokens,
-                                             trace_headers=lambda _i, h=_HEADERS[kind]: h)
-            kinds[req_id] = kind
+                                             trace_headers=lambda _i, h=headers: h)
+            ordinals[req_id] = len(ordinals)
         live = sorted(scheduler.requests)
         if abort_between is not None and live:
             harness.abort(live[abort_between % len(live)])
@@ -107,7 +119,7 @@ def _drive(harness: SchedulerHarness, plan: list[Any]) -> dict[str, int]:
         harness.step(lambda r, d, s=step: _accept(s, r, d), lambda r, s=step: _drafts(s, r, K))
     for req_id in list(scheduler.requests):
         harness.abort(req_id)
-    return kinds
+    return ordinals
 
 
 def _padded(values: list[int]) -> list[int]:
@@ -119,13 +131,13 @@ def _run(tiny_model: str, plan: list[Any], small_cache: bool, native: Any, name:
     from otel_specdec import _accounting
 
     saved, saved_hand_over = _accounting.NATIVE_SCANNER, DetailHandover.hand_over
-    handed: dict[str, tuple[list[int], list[int]]] = {}
+    handed: dict[Any, tuple[list[int], list[int]]] = {}
 
-    def recording_hand_over(self: DetailHandover, totals: Any, released: Any) -> None:
-        for request, _first_ns, packed in released:
-            assert request.request_id not in handed
-            handed[request.request_id] = unpack_counts(packed)
-        saved_hand_over(self, totals, released)
+    def recording_hand_over(self: DetailHandover, released: Any) -> None:
+        for _totals, headers, _status, _first_ns, _end_ns, packed in released:
+            assert _key(headers) not in handed
+            handed[_key(headers)] = unpack_counts(packed)
+        saved_hand_over(self, released)
 
     _accounting.NATIVE_SCANNER = native
     DetailHandover.hand_over = recording_hand_over  # type: ignore[method-assign]
@@ -133,7 +145,7 @@ def _run(tiny_model: str, plan: list[Any], small_cache: bool, native: Any, name:
         harness = SchedulerHarness(build_scheduler(
             tiny_model, K, per_request_metrics=True, served_model_name=name,
             num_blocks=24 if small_cache else 200_000))
-        kinds = _drive(harness, plan)
+        ordinals = _drive(harness, plan)
     finally:
         _accounting.NATIVE_SCANNER = saved
         DetailHandover.hand_over = saved_hand_over  # type: ignore[method-assign]
@@ -155,13 +167,14 @@ def _run(tiny_model: str, plan: list[Any], small_cache: bool, native: Any, name:
     assert snapshot.rate_sum == pytest.approx(sum(rates))
     trackers = sorted(tuple(t) for t in totals.rate_trackers.values())
     per_request = harness.per_request()
-    assert set(handed) == {r for r, (drafted, _) in per_request.items()
-                           if drafted and kinds[r] in _KEPT}
-    for req_id, (accepted_hist, drafted_hist) in handed.items():
+    whose = {_key(_headers(ordinal)): req_id for req_id, ordinal in ordinals.items()}
+    assert {whose[key] for key in handed} == {
+        r for r, (drafted, _) in per_request.items() if drafted and ordinals[r] % _KINDS in _KEPT}
+    for key, (accepted_hist, drafted_hist) in handed.items():
         drafted = sum(n * c for n, c in enumerate(drafted_hist))
         accepted = sum(n * c for n, c in enumerate(accepted_hist))
-        assert (drafted, accepted) == per_request[req_id], req_id
-    detail = {r: (_strip(a), _strip(d)) for r, (a, d) in handed.items()}
+        assert (drafted, accepted) == per_request[whose[key]], whose[key]
+    detail = {whose[key]: (_strip(a), _strip(d)) for key, (a, d) in handed.items()}
     return snapshot, trackers, detail
 
 

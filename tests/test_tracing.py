@@ -424,7 +424,7 @@ def test_requests_scheduled_together_are_decided_as_the_sdk_decides(tiny_model, 
 @pytest.mark.parametrize("traced", [ParentBased(ALWAYS_ON), ALWAYS_ON], indirect=True)
 def test_the_c_pass_leaves_each_decision_and_the_hand_over_to_python(
         tiny_model, traced, request, monkeypatch):
-    """The C pass reads no trace context and builds no hand-over item: it
+    """The C pass parses no trace context and keeps no hand-over list: it
     asks ``DetailHandover.decide`` once per step, about the requests that
     step first schedules (not at all where the plan keeps every request),
     and passes finished requests' detail to ``DetailHandover.hand_over``
@@ -437,9 +437,9 @@ def test_the_c_pass_leaves_each_decision_and_the_hand_over_to_python(
         decided.append(list(requests))
         return decide(self, requests)
 
-    def recording_hand_over(self, totals, released):
+    def recording_hand_over(self, released):
         handed.append(len(released))
-        return hand_over(self, totals, released)
+        return hand_over(self, released)
 
     monkeypatch.setattr(DetailHandover, "decide", recording_decide)
     monkeypatch.setattr(DetailHandover, "hand_over", recording_hand_over)
