@@ -79,8 +79,12 @@ class DetailHandover:
         """For each request, whether the plan keeps its detail (by its trace
         context): the C pass calls this once per step, about the requests
         the step first schedules."""
-        keeps = self.plan.keeps
-        return [keeps(getattr(request, "trace_headers", None)) for request in requests]
+        plan = self.plan
+        if plan.keeps_all():
+            return [True] * len(requests)
+        keeps, root = plan.keeps, plan.root
+        return [root if (headers := getattr(request, "trace_headers", None)) is None
+                else keeps(headers) for request in requests]
 
     def hand_over(self, released: list[tuple[Any, ...]]) -> None:
         """Finished requests' detail, appended for the span worker while

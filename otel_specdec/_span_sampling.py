@@ -37,6 +37,7 @@ _TRACEPARENT = re.compile(
     r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$")
 _ZERO_TRACE_ID = "0" * 32
 _ZERO_SPAN_ID = "0" * 16
+_ODD_HEX = frozenset("13579bdf")
 # Longer values are ignored, as the SDK's propagator ignores them.
 _TRACEPARENT_MAX_LENGTH = 512
 
@@ -44,18 +45,22 @@ _TRACEPARENT_MAX_LENGTH = 512
 def _parent_sampled(trace_headers: Mapping[str, Any]) -> bool | None:
     """The remote parent's sampled flag, or None where there is no valid parent."""
     value = trace_headers.get("traceparent")
-    if value is not None and not isinstance(value, str):
+    if value.__class__ is not str:
+        if value is None:
+            return None
         value = next(iter(value), None)  # a multi-valued header: its first value
-    if not isinstance(value, str) or len(value) > _TRACEPARENT_MAX_LENGTH:
+        if not isinstance(value, str):
+            return None
+    if len(value) > _TRACEPARENT_MAX_LENGTH:
         return None
-    match = _TRACEPARENT.search(value)
+    match = _TRACEPARENT.match(value)
     if match is None:
         return None
     version, trace_id, span_id, flags, rest = match.groups()
     if (trace_id == _ZERO_TRACE_ID or span_id == _ZERO_SPAN_ID or version == "ff"
             or (version == "00" and rest)):
         return None
-    return bool(int(flags, 16) & 1)
+    return flags[1] in _ODD_HEX  # the sampled bit is the flags' lowest
 
 
 @dataclass(frozen=True)
