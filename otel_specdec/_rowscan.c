@@ -114,7 +114,6 @@ typedef struct {
     /* Rows whose new owner's decision waits for the end of the pass
      * (decide_pending). */
     Py_ssize_t *pending;
-    PyObject **pending_req; /* borrowed from the scheduler's table, for the pass */
     Py_ssize_t n_pending;
     PyObject *det_spilled;  /* dict: req_id -> [request, first_ns, acc list, drf list] */
     PyObject *to_release;   /* list: this call's finished requests' detail */
@@ -449,52 +448,50 @@ claim_row(Scanner *self, Py_ssize_t i, PyObject *req_id)
 }
 
 /* The queued rows' decisions, in one call to decide for the step's new
- * requests. */
+ * requests (held in a list of their own from the moment they are read:
+ * decide runs Python code). */
 static int
 decide_pending(Scanner *self)
 {
     Py_ssize_t n = self->n_pending, m = 0, j;
     Py_ssize_t *rows = self->pending;
-    PyObject **req = self->pending_req;
     self->n_pending = 0;
+    if (n == 0)
+        return 0;
+    PyObject *requests = PyList_New(0);
+    if (requests == NULL)
+        return -1;
     for (j = 0; j < n; j++) { /* the requests, from the scheduler's table */
         Py_ssize_t i = rows[j];
         if (self->want[i] >= 0) /* decided since, at a verified draft */
             continue;
         PyObject *request = PyDict_GetItemWithError(self->requests,
                                                     PyList_GetItem(self->owners, i));
-        if (request == NULL) {
-            if (PyErr_Occurred())
-                return -1;
+        if (request == NULL && PyErr_Occurred())
+            goto fail;
+        if (request == NULL)
             continue; /* left undecided */
+        if (PyList_Append(requests, request) < 0)
+            goto fail;
+        rows[m++] = i;
+    }
+    PyObject *answers = NULL;
+    if (m > 0 && self->decide != Py_None && (answers = decisions_for(self, requests)) == NULL)
+        goto fail;
+    for (j = 0; j < m; j++) {
+        int keep = answers == NULL ? 1 : PyObject_IsTrue(PyList_GetItem(answers, j));
+        if (keep < 0) {
+            Py_DECREF(answers);
+            goto fail;
         }
-        rows[m] = i;
-        req[m++] = request;
-    }
-    if (m == 0)
-        return 0;
-    if (self->decide == Py_None) {
-        for (j = 0; j < m; j++)
-            set_want(self, rows[j], 1, req[j]);
-        return 0;
-    }
-    PyObject *requests = PyList_New(m); /* owned: decide runs Python code */
-    if (requests == NULL)
-        return -1;
-    for (j = 0; j < m; j++)
-        PyList_SetItem(requests, j, Py_NewRef(req[j]));
-    PyObject *answers = decisions_for(self, requests);
-    int rc = answers == NULL ? -1 : 0;
-    for (j = 0; rc == 0 && j < m; j++) {
-        int keep = PyObject_IsTrue(PyList_GetItem(answers, j));
-        if (keep < 0)
-            rc = -1;
-        else
-            set_want(self, rows[j], keep, PyList_GetItem(requests, j));
+        set_want(self, rows[j], keep, PyList_GetItem(requests, j));
     }
     Py_XDECREF(answers);
     Py_DECREF(requests);
-    return rc;
+    return 0;
+fail:
+    Py_DECREF(requests);
+    return -1;
 }
 
 /* A verified draft's detail, in its row. */
@@ -682,7 +679,6 @@ grow_detail(Scanner *self, Py_ssize_t cap)
     RESIZE(self->want, cap, failed);
     RESIZE(self->det_req, cap, failed);
     RESIZE(self->pending, cap, failed);
-    RESIZE(self->pending_req, cap, failed);
     if (failed)
         return -1;
     for (Py_ssize_t i = self->cap; i < cap; i++) {
@@ -1742,7 +1738,6 @@ Scanner_dealloc(Scanner *self)
     PyMem_Free(self->want);
     PyMem_Free(self->det_req);
     PyMem_Free(self->pending);
-    PyMem_Free(self->pending_req);
     PyTypeObject *type = Py_TYPE(self);
     freefunc free_slot = (freefunc)PyType_GetSlot(type, Py_tp_free);
     free_slot(self);
