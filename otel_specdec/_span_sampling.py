@@ -38,8 +38,13 @@ _TRACEPARENT = re.compile(
 _ZERO_TRACE_ID = "0" * 32
 _ZERO_SPAN_ID = "0" * 16
 _ODD_HEX = frozenset("13579bdf")
-# Longer values are ignored, as the SDK's propagator ignores them.
+# Longer values are ignored by recent SDK propagators (1.45) and read by
+# older ones (1.28): their detail is kept, and the sampler decides.
 _TRACEPARENT_MAX_LENGTH = 512
+
+
+class _Undecided(Exception):
+    """The parent depends on the SDK version: keep the detail."""
 
 
 def _parent_sampled(trace_headers: Mapping[str, Any]) -> bool | None:
@@ -52,7 +57,7 @@ def _parent_sampled(trace_headers: Mapping[str, Any]) -> bool | None:
         if not isinstance(value, str):
             return None
     if len(value) > _TRACEPARENT_MAX_LENGTH:
-        return None
+        raise _Undecided
     match = _TRACEPARENT.match(value)
     if match is None:
         return None
@@ -84,8 +89,8 @@ class SamplingPlan:
         if trace_headers and not self.keeps_all():
             try:
                 sampled = _parent_sampled(trace_headers)
-            except Exception:  # headers that cannot be read: the sampler decides later
-                return True
+            except Exception:  # unreadable, or read differently by SDK versions:
+                return True   # kept, and the sampler decides when the span is built
             if sampled is not None:
                 return self.sampled_parent if sampled else self.unsampled_parent
         return self.root

@@ -371,10 +371,15 @@ MIXED_PLANS = [SamplingPlan(True, True, False), SamplingPlan(False, True, False)
 def test_the_plan_reads_trace_context_as_the_sdks_propagator_does(plan):
     """``SamplingPlan.keeps`` checks ``traceparent`` itself (the SDK's
     propagator builds a context per call): it answers as the propagator
-    does for valid, sampled, unsampled, malformed, multi-valued and
-    over-long values."""
+    does for valid, sampled, unsampled, malformed and multi-valued values.
+    Values over 512 characters, which older SDKs (1.28) read and recent ones
+    ignore, keep their detail (the sampler decides with the span)."""
     for headers in HEADER_CASES:
-        assert plan.keeps(headers) == sdk_keeps(plan, headers), headers
+        value = headers.get("traceparent") if headers else None
+        if isinstance(value, str) and len(value) > 512:
+            assert plan.keeps(headers), headers
+        else:
+            assert plan.keeps(headers) == sdk_keeps(plan, headers), headers
 
 
 @settings(max_examples=200, derandomize=True, deadline=None)
