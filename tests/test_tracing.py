@@ -363,6 +363,17 @@ def sdk_keeps(plan: SamplingPlan, trace_headers: Mapping[str, Any] | None) -> bo
     return plan.root
 
 
+def expected_keeps(plan: SamplingPlan, trace_headers: Mapping[str, Any] | None) -> bool:
+    """What the plan must answer: the reference's answer, except for a
+    ``traceparent`` over 512 characters, which SDK versions read differently
+    (1.28 reads it, 1.45 ignores it): that request's detail is kept and the
+    sampler decides with the span."""
+    value = trace_headers.get("traceparent") if trace_headers else None
+    if isinstance(value, str) and len(value) > 512:
+        return True
+    return sdk_keeps(plan, trace_headers)
+
+
 MIXED_PLANS = [SamplingPlan(True, True, False), SamplingPlan(False, True, False),
                SamplingPlan(False, False, True), SamplingPlan(True, False, True)]
 
@@ -375,11 +386,7 @@ def test_the_plan_reads_trace_context_as_the_sdks_propagator_does(plan):
     Values over 512 characters, which older SDKs (1.28) read and recent ones
     ignore, keep their detail (the sampler decides with the span)."""
     for headers in HEADER_CASES:
-        value = headers.get("traceparent") if headers else None
-        if isinstance(value, str) and len(value) > 512:
-            assert plan.keeps(headers), headers
-        else:
-            assert plan.keeps(headers) == sdk_keeps(plan, headers), headers
+        assert plan.keeps(headers) == expected_keeps(plan, headers), headers
 
 
 @settings(max_examples=200, derandomize=True, deadline=None)
@@ -417,12 +424,15 @@ def test_requests_scheduled_together_are_decided_as_the_sdk_decides(tiny_model, 
     harness.step(accept_varied, drafts_of_three)  # the prefill: every request decided
     scanner = harness.scheduler.__dict__["_otel_specdec_accountant"][1]._scanner
     expected = {req_id for req_id, headers in zip(ids, cases, strict=True)
-                if sdk_keeps(plan, headers)}
+                if expected_keeps(plan, headers)}
     assert 0 < len(expected) <= len(cases)
     assert set(scanner.detail_owners) == expected
     while harness.scheduler.requests:
         harness.step(accept_varied, drafts_of_three)
-    assert len(traced.finished_spans()) == len(expected)
+    # The spans are the sampler's: a request kept for an over-long value
+    # may get none.
+    assert len(traced.finished_spans()) == sum(
+        1 for req_id, headers in zip(ids, cases, strict=True) if sdk_keeps(plan, headers))
 
 
 @pytest.mark.parametrize("span_path", ["native"], indirect=True)
