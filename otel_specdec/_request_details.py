@@ -66,13 +66,12 @@ class DetailHandover:
     takes what is there and leaves what is appended meanwhile.
     """
 
-    __slots__ = ("items", "limit", "plan", "dropped", "_said")
+    __slots__ = ("items", "limit", "plan", "_said")
 
     def __init__(self, plan: SamplingPlan, limit: int) -> None:
         self.items: list[tuple[Any, ...]] = []
         self.limit = limit
         self.plan = plan
-        self.dropped = 0
         self._said = False
 
     def decide(self, requests: Sequence[Any]) -> list[bool]:
@@ -97,11 +96,10 @@ class DetailHandover:
             return
         if room > 0:
             items.extend(released[:room])
-        self._note_drops(len(released) - max(room, 0))
+        self._note_drop()
 
-    def _note_drops(self, count: int) -> None:
-        """Details that did not fit: counted, and said once per process."""
-        self.dropped += count
+    def _note_drop(self) -> None:
+        """Details did not fit: said once per process."""
         if not self._said:
             self._said = True
             _logger.warning("otel_specdec: more than %d finished requests wait for their span; "

@@ -70,9 +70,7 @@ def _parent_sampled(trace_headers: Mapping[str, Any]) -> bool | None:
 
 @dataclass(frozen=True)
 class SamplingPlan:
-    """Whether a request's detail is kept, by the kind of its trace context.
-
-    """
+    """Whether a request's detail is kept, by the kind of its trace context."""
 
     root: bool
     sampled_parent: bool
