@@ -32,8 +32,8 @@ from typing import Any
 from otel_specdec.demo import engine_run
 from otel_specdec.demo.engine_run import DEFAULT_PROMPTS, RESULT_PREFIX, vllm_counters
 
-__all__ = ["PHASE_PREFIX", "RESULT_PREFIX", "ENTRY", "run", "run_in_child",
-           "shutdown_evidence", "with_child_site"]
+__all__ = ["PHASE_PREFIX", "RESULT_PREFIX", "ENTRY", "assert_delivered", "run",
+           "run_in_child", "shutdown_evidence", "with_child_site"]
 
 PHASE_PREFIX = "OTEL_SPECDEC_PHASE "
 # What a child process runs: this file.
@@ -133,20 +133,35 @@ def with_child_site(env: dict[str, str], **settings: str) -> dict[str, str]:
     """``env`` for a child whose every process runs ``child_site`` at start-up,
     with its ``settings`` (``SPECDEC_TEST_*``); the plugin's log is timed."""
     path = os.pathsep.join(filter(None, [str(CHILD_SITE), env.get("PYTHONPATH")]))
-    return {**env, "PYTHONPATH": path, "SPECDEC_TEST_TIMED_LOG": "1", **settings}
+    return {**env, "PYTHONPATH": path, "SPECDEC_TEST_TIMED_LOG": "1",
+            "SPECDEC_TEST_STACKS_BEFORE_KILL": "1", **settings}
 
 
 def shutdown_evidence(result: dict[str, Any], store: Any = None) -> str:
     """How a child's engine stopped, for a failure message: the plugin's
     (timed) log lines, vLLM's ``[shutdown]`` lines and when the receiver
     got each export (wall clock)."""
-    plugin = [line for line in result.get("stderr", "").splitlines() if "otel_specdec" in line]
+    stderr = result.get("stderr", "")
+    plugin = [line for line in stderr.splitlines() if "otel_specdec" in line]
     arrivals = [time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
                 for t in (store.received_at if store is not None else [])]
     refused = store.refused if store is not None else []
     return "\n".join(["plugin:", *plugin, "vLLM:", result.get("shutdown_log", ""),
                       f"receiver got exports at: {arrivals}", f"receiver refused: {refused}",
-                      machine_load()])
+                      machine_load(), *stacks_before_kill(stderr)])
+
+
+def assert_delivered(store: Any, result: dict[str, Any]) -> None:
+    """The receiver's totals are vLLM's counters for the child's run; else
+    the failure says how its engine stopped (``shutdown_evidence``)."""
+    assert store.spec_decode_totals() == result["vllm"], shutdown_evidence(result, store)
+
+
+def stacks_before_kill(stderr: str) -> list[str]:
+    """The threads' stacks that ``child_site`` had each process of a killed
+    engine write (``faulthandler``) just before vLLM SIGKILLed it."""
+    return [line for line in stderr.splitlines()
+            if line.startswith(("Thread 0x", "Current thread 0x", "  File "))]
 
 
 def machine_load() -> str:

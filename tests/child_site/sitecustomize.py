@@ -12,6 +12,11 @@ these variables:
 * ``SPECDEC_TEST_EXPORT_DELAY_S=<s>``: an engine that stops waits ``s``
   seconds before its final metrics export, as an engine process whose
   main thread is busy when SIGTERM comes reaches it late.
+* ``SPECDEC_TEST_STACKS_BEFORE_KILL=1``: every process dumps its threads'
+  stacks (``faulthandler``, to stderr) on SIGUSR2, and vLLM's process
+  manager, before it SIGKILLs an engine process tree that outlived its
+  shutdown timeout, sends that signal to each process of the tree and
+  gives them a second to write: where an engine was stuck (issue 30).
 * ``SPECDEC_TEST_REPORT_PATHS=1``: an engine that stops logs, before its
   final export, which accounting path took its steps and where its C pass
   was loaded from (``otel_specdec test: accounting paths {json}``).
@@ -75,3 +80,33 @@ if os.environ.get("SPECDEC_TEST_REPORT_PATHS") == "1":
         wrapt.wrap_function_wrapper(module, "Runtime.engine_stopped", _report)
 
     wrapt.register_post_import_hook(_report_paths, "otel_specdec._runtime")
+
+if os.environ.get("SPECDEC_TEST_STACKS_BEFORE_KILL") == "1":
+    import faulthandler
+    import signal
+
+    import wrapt
+
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
+
+    def _stacks_first(wrapped, instance, args, kwargs):  # type: ignore[no-untyped-def]
+        try:
+            import psutil
+
+            root = psutil.Process(args[0])
+            tree = [root, *root.children(recursive=True)]
+            logging.getLogger("otel_specdec.test").warning(
+                "otel_specdec test: stacks of %s before SIGKILL",
+                ", ".join(f"{p.name()} pid {p.pid}" for p in tree))
+            for process in tree:
+                os.kill(process.pid, signal.SIGUSR2)
+            time.sleep(1.0)
+        except Exception:
+            logging.getLogger("otel_specdec.test").exception("otel_specdec test: no stacks")
+        return wrapped(*args, **kwargs)
+
+    def _dump_before_kill(module):  # type: ignore[no-untyped-def]
+        wrapt.wrap_function_wrapper(module, "kill_process_tree", _stacks_first)
+
+    # vllm.v1.utils.shutdown calls the name it imported.
+    wrapt.register_post_import_hook(_dump_before_kill, "vllm.v1.utils")
