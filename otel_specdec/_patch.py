@@ -53,7 +53,7 @@ from typing import Any
 
 from wrapt import wrap_function_wrapper
 
-from otel_specdec import _runtime, _shutdown_grace, _vllm_compat
+from otel_specdec import _runtime, _shutdown_grace, _signal_wake, _vllm_compat
 from otel_specdec._accounting import NATIVE_SCANNER, StepAccountant
 
 __all__ = ["install", "uninstall", "is_installed"]
@@ -258,6 +258,7 @@ def install() -> bool:
             _wrapped_methods.append(method)
         if "shutdown" in _wrapped_methods:
             _shutdown_grace.install(_stop_accounting)
+            _signal_wake.install()
         if NATIVE_SCANNER is None:
             _logger.info("otel_specdec: the C accelerator (otel_specdec._rowscan) is not "
                          "built; the pure-Python accounting serves (a higher cost per step)")
@@ -281,5 +282,6 @@ def uninstall() -> None:
                 unwrap(_installed_on, method)
         _wrapped_methods.clear()
         _shutdown_grace.uninstall()
+        _signal_wake.uninstall()
         _installed_on = None
     _runtime.shutdown()

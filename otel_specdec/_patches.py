@@ -80,6 +80,26 @@ PATCHES: tuple[Patch, ...] = (
         removable_when="as for Scheduler.shutdown",
     ),
     Patch(
+        target="vllm.v1.engine.core.EngineCoreProc.run_busy_loop",
+        module="otel_specdec._signal_wake",
+        why="a SIGTERM taken by a thread other than the main one leaves vLLM's handler "
+            "unrun while the idle main thread sleeps in input_queue.get(): the engine "
+            "never reaches its shutdown path (and final export) and is SIGKILLed",
+        how="wrapt wrapper; while the loop runs, a signal wakeup fd read by a daemon "
+            "thread that puts vLLM's no-op WAKEUP request on the input queue on "
+            "SIGTERM/SIGINT, so the main thread wakes and runs the pending handler",
+        watch="vLLM's run_engine_core signal handling (vllm/v1/engine/core.py)",
+        removable_when="vLLM wakes its busy loop from a signal taken by any thread",
+    ),
+    Patch(
+        target="vllm.v1.engine.core.DPEngineCoreProc.run_busy_loop",
+        module="otel_specdec._signal_wake",
+        why="as for EngineCoreProc.run_busy_loop (the data-parallel loop overrides it)",
+        how="as for EngineCoreProc.run_busy_loop",
+        watch="as for EngineCoreProc.run_busy_loop",
+        removable_when="as for EngineCoreProc.run_busy_loop",
+    ),
+    Patch(
         target="vllm.v1.engine.utils.CoreEngineProcManager.__init__, .shutdown",
         module="otel_specdec._shutdown_grace",
         why="vLLM SIGKILLs engine processes right after SIGTERM (shutdown_timeout 0), "

@@ -36,7 +36,9 @@ from otel_specdec._instruments import (
 
 __all__ = [
     "CURRENT_RULES",
+    "ENGINE_BUSY_LOOP_CLASSES",
     "ENGINE_CORE_CLASS",
+    "ENGINE_REQUEST_TYPE",
     "FINISHED_IDS_ATTR",
     "HOST_FIELDS",
     "OPTIONAL_METHODS",
@@ -51,8 +53,10 @@ __all__ = [
     "StepFields",
     "check_scheduler",
     "data_parallel_rank",
+    "engine_busy_loop_classes",
     "engine_core_class",
     "engine_info",
+    "engine_wakeup_request",
     "finished_reason",
     "finished_request_ids",
     "finished_status_threshold",
@@ -481,6 +485,40 @@ def engine_core_class() -> type | None:
     except Exception:
         return None
     return cls if has_method(cls, "shutdown") else None
+
+
+# The engine-core process's busy loops (the data-parallel one overrides the
+# other): each runs in the process's main thread until SIGTERM stops it.
+ENGINE_BUSY_LOOP_CLASSES = ("vllm.v1.engine.core.EngineCoreProc",
+                            "vllm.v1.engine.core.DPEngineCoreProc")
+ENGINE_REQUEST_TYPE = "vllm.v1.engine.EngineCoreRequestType"
+
+
+def engine_busy_loop_classes() -> list[type]:
+    """Each class that defines its own ``run_busy_loop`` (none where vLLM has none)."""
+    classes = []
+    for path in ENGINE_BUSY_LOOP_CLASSES:
+        try:
+            cls = _import(path)
+        except Exception:
+            continue
+        if callable(vars(cls).get("run_busy_loop")):
+            classes.append(cls)
+    return classes
+
+
+def engine_wakeup_request() -> tuple[Any, Any] | None:
+    """An input-queue item that wakes an idle busy loop and does nothing else:
+    vLLM's ``WAKEUP`` where it has one, else an abort of no request."""
+    try:
+        request_type = _import(ENGINE_REQUEST_TYPE)
+    except Exception:
+        return None
+    if hasattr(request_type, "WAKEUP"):
+        return (request_type.WAKEUP, None)
+    if hasattr(request_type, "ABORT"):
+        return (request_type.ABORT, [])
+    return None
 
 
 # The front end's manager of engine-core processes (API server, LLM): it

@@ -36,6 +36,9 @@ __all__ = ["PHASE_PREFIX", "RESULT_PREFIX", "ENTRY", "assert_delivered", "run",
            "run_in_child", "shutdown_evidence", "with_child_site"]
 
 PHASE_PREFIX = "OTEL_SPECDEC_PHASE "
+# What child_site's own log lines start with (never "otel_specdec": a run
+# without the plugin must not show the plugin's name).
+TEST_SITE_MARK = "specdec-test:"
 # What a child process runs: this file.
 ENTRY = (str(Path(__file__).resolve()),)
 # Start-up code for every process of a child (child_site/sitecustomize.py).
@@ -142,7 +145,8 @@ def shutdown_evidence(result: dict[str, Any], store: Any = None) -> str:
     (timed) log lines, vLLM's ``[shutdown]`` lines and when the receiver
     got each export (wall clock)."""
     stderr = result.get("stderr", "")
-    plugin = [line for line in stderr.splitlines() if "otel_specdec" in line]
+    plugin = [line for line in stderr.splitlines()
+              if "otel_specdec" in line or TEST_SITE_MARK in line]
     arrivals = [time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
                 for t in (store.received_at if store is not None else [])]
     refused = store.refused if store is not None else []
