@@ -82,9 +82,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         target="vllm.v1.engine.core.EngineCoreProc.run_busy_loop",
         module="otel_specdec._signal_wake",
-        why="a SIGTERM taken by a thread other than the main one leaves vLLM's handler "
-            "unrun while the idle main thread sleeps in input_queue.get(): the engine "
-            "never reaches its shutdown path (and final export) and is SIGKILLed",
+        why="a SIGTERM taken by a thread other than the main one (or just before the "
+            "main one blocks) leaves vLLM's handler unrun while the idle main thread "
+            "sleeps in input_queue.get(): the engine never reaches its shutdown path "
+            "(and final export) and is SIGKILLed",
         how="wrapt wrapper; while the loop runs, a signal wakeup fd read by a daemon "
             "thread that puts vLLM's no-op WAKEUP request on the input queue on "
             "SIGTERM/SIGINT, so the main thread wakes and runs the pending handler",

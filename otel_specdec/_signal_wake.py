@@ -10,14 +10,16 @@ Why: the front end stops an engine core with SIGTERM. vLLM's handler asks
 the busy loop to stop and wakes it; the loop then leaves, and the engine's
 shutdown path runs the plugin's final export. CPython runs a Python signal
 handler only in the main thread, and only once that thread runs again. The
-kernel may hand a process-wide signal to any thread that does not block it;
-when another thread takes it, the main thread, idle in
-``input_queue.get()``, sleeps on: the handler never runs, the engine never
-reaches its shutdown path, and the front end SIGKILLs it when its grace is
-over. The final export is never attempted, and an offline job loses every
-count since its last export (issue 30: about one engine stop in twenty
-here; the killed engine's stacks show the main thread in
-``input_queue.get()`` and vLLM's signal-callback thread never triggered).
+kernel may hand a process-wide signal to any thread that does not block it,
+and a signal that reaches the main thread just before it blocks in a lock
+(after its last check for signals) does not interrupt the wait either. In
+both cases the main thread, idle in ``input_queue.get()``, sleeps on: the
+handler never runs, the engine never reaches its shutdown path, and the
+front end SIGKILLs it when its grace is over. The final export is never
+attempted, and an offline job loses every count since its last export
+(issue 30: 2 of about 120 own-process engine stops here; the killed
+engine's stacks show the main thread in ``input_queue.get()`` and vLLM's
+signal-callback thread never triggered).
 
 How: while the busy loop runs, ``signal.set_wakeup_fd`` (which CPython
 writes to from whichever thread takes a signal) feeds a daemon thread; on
